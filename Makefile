@@ -1,0 +1,56 @@
+# Everything a fresh machine needs: `make run` starts the daemon on the demo model, `make test`
+# runs linters and the whole suite. Both create .venv and install into it.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+# vLLM 0.33 (about 10 GB) lives outside the clone and is reused across runs and clones.
+VLLM_VENV ?= $(HOME)/.cache/weight-cache/vllm-0.33.0
+
+.PHONY: help run test lint format openapi bench clean vllm-venv
+
+help:
+	@echo "make run     create .venv, install, start the daemon on the built-in demo model"
+	@echo "make test    create .venv, install test extras, run ruff, mypy and the whole suite"
+	@echo "make lint    ruff and mypy only"
+	@echo "make openapi regenerate openapi.json from the app"
+	@echo "make bench   run the benchmarks in bench/"
+
+$(PY):
+	@# Reuse an interpreter's own torch (a CUDA build, say) when it has one.
+	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
+		echo "using the torch of $(PYTHON)"; $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PYTHON) -m venv $(VENV); \
+	fi
+
+$(STAMP): $(PY) pyproject.toml constraints.txt
+	@$(PY) -c "import torch" >/dev/null 2>&1 || $(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -c constraints.txt -e ".[test]"
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/weight-cache serve
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check service engine_client tests bench
+	$(VENV)/bin/ruff format --check service engine_client tests bench
+	$(VENV)/bin/mypy
+
+test: lint
+	$(PY) -m pytest
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format service engine_client tests bench
+	$(VENV)/bin/ruff check --fix service engine_client tests bench
+
+openapi: $(STAMP)
+	$(VENV)/bin/weight-cache openapi > openapi.json
+
+bench: $(STAMP)
+	$(PY) -m bench.processing
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,41 @@
+"""What the benchmarks share: cached demo checkpoints and a repeat-and-take-the-median timer."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from service.demo import write_demo_checkpoint
+
+CACHE = Path(os.environ.get("WEIGHT_CACHE_BENCH_DIR", Path.home() / ".cache/weight-cache/bench"))
+
+
+def demo_checkpoint(shape: str, scheme: str = "fp8") -> Path:
+    """The demo checkpoint for ``shape``, generated once into the cache directory."""
+    path = CACHE / f"{shape}-{scheme}"
+    if not (path / "config.json").is_file():
+        print(f"generating the {shape} {scheme} demo checkpoint in {path} ...", flush=True)
+        write_demo_checkpoint(path, scheme, shape)
+    return path
+
+
+def warm_page_cache(path: Path) -> int:
+    """Read every file once so timings measure the page cache, not the disk; returns bytes."""
+    total = 0
+    for f in sorted(path.iterdir()):
+        with f.open("rb") as fh:
+            while chunk := fh.read(64 << 20):
+                total += len(chunk)
+    return total
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> tuple[float, list[float]]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times

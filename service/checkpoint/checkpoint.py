@@ -1,0 +1,100 @@
+"""A ModelOpt FP8 checkpoint on disk: configs, tensor index, fingerprint and reads.
+
+Opening validates everything that can be validated without reading weight data: the configs,
+the architecture, and every safetensors header. Weight shapes, dtypes and scale values are checked
+by the processing plan (``service.processing.plan``) before any memory is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from service.checkpoint.architecture import ModelDims, read_dims
+from service.checkpoint.fingerprint import checkpoint_fingerprint
+from service.checkpoint.quant_config import MODEL_CONFIG, QuantConfig, read_quant_config
+from service.checkpoint.safetensors_files import (
+    TensorInfo,
+    TensorReader,
+    index_tensors,
+    weight_files,
+)
+from service.errors import CheckpointNotFoundError, InvalidConfigError
+
+
+@dataclass
+class Checkpoint:
+    """An opened checkpoint; use as a context manager or call :meth:`close`."""
+
+    path: Path
+    config: dict[str, Any]
+    dims: ModelDims
+    quant: QuantConfig
+    tensors: dict[str, TensorInfo]
+    fingerprint: str
+    files: list[Path]
+    _reader: TensorReader = field(repr=False)
+
+    @classmethod
+    def open(cls, path: str | Path) -> Checkpoint:
+        directory = Path(path)
+        config_path = directory / MODEL_CONFIG
+        if not directory.is_dir():
+            raise CheckpointNotFoundError(
+                "checkpoint directory does not exist", file=str(directory)
+            )
+        if not config_path.is_file():
+            raise CheckpointNotFoundError("no config.json in the directory", file=str(config_path))
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InvalidConfigError(
+                f"cannot parse config.json: {exc}", file=str(config_path)
+            ) from exc
+        if not isinstance(config, dict):
+            raise InvalidConfigError("config.json is not a JSON object", file=str(config_path))
+        quant = read_quant_config(directory, config)
+        dims = read_dims(config, str(config_path))
+        files, weight_map = weight_files(directory)
+        tensors, headers = index_tensors(files, weight_map)
+        return cls(
+            path=directory,
+            config=config,
+            dims=dims,
+            quant=quant,
+            tensors=tensors,
+            fingerprint=checkpoint_fingerprint(directory, headers),
+            files=files,
+            _reader=TensorReader(tensors),
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The model's activation dtype (``dtype`` in transformers 5, ``torch_dtype`` before)."""
+        name = self.config.get("dtype") or self.config.get("torch_dtype") or "bfloat16"
+        return {"float16": torch.float16, "float32": torch.float32}.get(str(name), torch.bfloat16)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(info.nbytes for info in self.tensors.values())
+
+    def read(
+        self,
+        name: str,
+        rows: tuple[int, int] | None = None,
+        cols: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        return self._reader.read(name, rows=rows, cols=cols)
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,33 @@
+"""The ``weight-cache`` command: one group, one module per subcommand."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from service.cli.demo import demo_checkpoint
+from service.version import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="weight-cache")
+@click.option(
+    "--log-level",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    help="Logging level for this command.",
+)
+def cli(log_level: str) -> None:
+    """Keep ModelOpt FP8 weights processed and resident; lend them to vLLM engines."""
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+cli.add_command(demo_checkpoint)
+
+
+def main() -> None:
+    cli()

@@ -1,0 +1,44 @@
+"""``weight-cache demo-checkpoint``: write a deterministic ModelOpt FP8 checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+from service.demo import SCHEMES, SHAPES, expected_bytes, write_demo_checkpoint
+
+
+@click.command("demo-checkpoint")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--scheme", type=click.Choice(sorted(SCHEMES)), default="fp8", show_default=True)
+@click.option("--shape", type=click.Choice(list(SHAPES)), default="tiny", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--shard-size-mb",
+    type=click.IntRange(min=1),
+    default=4096,
+    show_default=True,
+    help="Split safetensors files above this size, with an index.",
+)
+def demo_checkpoint(out: Path, scheme: str, shape: str, seed: int, shard_size_mb: int) -> None:
+    """Write a demo checkpoint in ModelOpt's FP8 export format to OUT (no network)."""
+    total = expected_bytes(SHAPES[shape])
+    columns = (
+        *Progress.get_default_columns()[:-1],
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, transient=True, disable=total < (64 << 20)) as progress:
+        task = progress.add_task(f"{shape} {scheme}", total=total)
+        write_demo_checkpoint(
+            out,
+            scheme,
+            shape,
+            seed,
+            shard_bytes=shard_size_mb << 20,
+            progress=lambda n: progress.advance(task, n),
+        )
+    click.echo(str(out))

@@ -1,0 +1,23 @@
+"""Processing checkpoints for vLLM's CUTLASS FP8 kernel, byte-identical to vLLM 0.33."""
+
+from service.processing.execute import execute_plan, fill_linear, load_processed
+from service.processing.plan import (
+    CarriedPlan,
+    LinearPlan,
+    ModelPlan,
+    ShardSource,
+    TensorSpec,
+    plan_model,
+)
+
+__all__ = [
+    "CarriedPlan",
+    "LinearPlan",
+    "ModelPlan",
+    "ShardSource",
+    "TensorSpec",
+    "execute_plan",
+    "fill_linear",
+    "load_processed",
+    "plan_model",
+]

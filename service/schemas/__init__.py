@@ -1,0 +1,1 @@
+"""Wire schemas: the pydantic models both the daemon and the engine side speak."""

@@ -1,0 +1,32 @@
+"""Helpers to break checkpoints in tests: rewrite tensors or configs of a copied checkpoint."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def rewrite_tensors(directory: Path, mutate: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """Load every tensor of the single-file checkpoint, let ``mutate`` edit the dict, save."""
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    mutate(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def rewrite_json(path: Path, mutate: Callable[[dict[str, Any]], None]) -> None:
+    data = json.loads(path.read_text())
+    mutate(data)
+    path.write_text(json.dumps(data, indent=2))
+
+
+def all_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out

@@ -1,0 +1,55 @@
+"""Shared fixtures: demo checkpoints made once per session, the real ModelOpt exports, and the
+``gpu``/``vllm`` markers that skip cleanly where their hardware or environment is absent."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.demo import write_demo_checkpoint
+
+FIXTURES = Path(__file__).parent / "fixtures"
+MODELOPT_EXPORTS = sorted(p for p in (FIXTURES / "modelopt").iterdir() if p.is_dir())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not torch.cuda.is_available():
+        skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def demo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("demo")
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8(demo_root: Path) -> Path:
+    return write_demo_checkpoint(demo_root / "tiny-fp8", "fp8", "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_pc(demo_root: Path) -> Path:
+    return write_demo_checkpoint(demo_root / "tiny-pc", "fp8-pc-pt", "tiny")
+
+
+@pytest.fixture(params=["fp8", "fp8-pc-pt"])
+def tiny_any(request: pytest.FixtureRequest, tiny_fp8: Path, tiny_pc: Path) -> Path:
+    return tiny_fp8 if request.param == "fp8" else tiny_pc
+
+
+@pytest.fixture
+def copy_of(tmp_path: Path):
+    """A writable copy of a checkpoint directory, to break in a test."""
+
+    def make(src: Path) -> Path:
+        dst = tmp_path / src.name
+        shutil.copytree(src, dst)
+        return dst
+
+    return make

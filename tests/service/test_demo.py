@@ -1,0 +1,85 @@
+"""Demo checkpoints: deterministic, in the real ModelOpt export format, with what tests need."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from service.checkpoint import Checkpoint
+from service.demo import SHAPES, write_demo_checkpoint
+from service.processing import plan_model
+from tests.checkpoint_tools import all_tensors
+from tests.conftest import FIXTURES
+
+
+def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path: Path, tiny_fp8: Path) -> None:
+    again = write_demo_checkpoint(tmp_path / "a", "fp8", "tiny", seed=0)
+    other = write_demo_checkpoint(tmp_path / "b", "fp8", "tiny", seed=1)
+    assert (again / "model.safetensors").read_bytes() == (
+        tiny_fp8 / "model.safetensors"
+    ).read_bytes()
+    assert (other / "model.safetensors").read_bytes() != (
+        tiny_fp8 / "model.safetensors"
+    ).read_bytes()
+
+
+def _suffix(name: str) -> str:
+    parts = name.split(".")
+    return ".".join(p if not p.isdigit() else "N" for p in parts)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "export"), [("fp8", "llama-fp8-kv"), ("fp8-pc-pt", "llama-fp8-pc-pt-kv")]
+)
+def test_matches_the_real_export_format(
+    tiny_fp8: Path, tiny_pc: Path, scheme: str, export: str
+) -> None:
+    demo = tiny_fp8 if scheme == "fp8" else tiny_pc
+    real = FIXTURES / "modelopt" / export
+    ours, theirs = all_tensors(demo), all_tensors(real)
+    kinds = {_suffix(n): (t.dtype, t.dim()) for n, t in ours.items()}
+    real_kinds = {_suffix(n): (t.dtype, t.dim()) for n, t in theirs.items()}
+    assert kinds == real_kinds
+    ours_cfg = json.loads((demo / "config.json").read_text())["quantization_config"]
+    real_cfg = json.loads((real / "config.json").read_text())["quantization_config"]
+    assert set(ours_cfg) == set(real_cfg) - {"config_groups"}
+    ours_hf = json.loads((demo / "hf_quant_config.json").read_text())
+    real_hf = json.loads((real / "hf_quant_config.json").read_text())
+    assert ours_hf["quantization"] == real_hf["quantization"]
+
+
+def test_tiny_exercises_requantization_and_padding(tiny_fp8: Path) -> None:
+    t = all_tensors(tiny_fp8)
+    a = "model.layers.0.self_attn"
+    scales = {t[f"{a}.{p}_proj.weight_scale"].item() for p in "qkv"}
+    assert len(scales) == 3
+    with Checkpoint.open(tiny_fp8) as ckpt:
+        gate_up = plan_model(ckpt).layouts[2]
+    assert gate_up.output_size % 16 != 0
+
+
+def test_shapes_are_the_real_architectures() -> None:
+    q = SHAPES["qwen2.5-0.5b"].dims
+    assert (q.architecture, q.hidden_size, q.intermediate_size, q.num_hidden_layers) == (
+        "Qwen2ForCausalLM",
+        896,
+        4864,
+        24,
+    )
+    assert q.qkv_bias and q.tie_word_embeddings
+    llama = SHAPES["llama-8b"].dims
+    assert (
+        llama.hidden_size,
+        llama.intermediate_size,
+        llama.num_key_value_heads,
+        llama.vocab_size,
+    ) == (4096, 14336, 8, 128256)
+
+
+def test_rejects_unknown_scheme_or_shape(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="scheme"):
+        write_demo_checkpoint(tmp_path, "nvfp4", "tiny")
+    with pytest.raises(ValueError, match="shape"):
+        write_demo_checkpoint(tmp_path, "fp8", "huge")
