@@ -194,6 +194,11 @@ class ModelFailedError(ConflictError):
     title = "Model failed to load"
 
 
+class LoadCancelledError(ConflictError):
+    code = "load_cancelled"
+    title = "Load cancelled by an unload"
+
+
 class LayoutMismatchError(ConflictError):
     """Kernel, format or TP layout asked for differs from what the daemon processed for."""
 

@@ -7,6 +7,9 @@ import logging
 import click
 
 from service.cli.demo import demo_checkpoint
+from service.cli.openapi import openapi
+from service.cli.serve import serve
+from service.cli.status import status
 from service.version import __version__
 
 
@@ -26,7 +29,8 @@ def cli(log_level: str) -> None:
     )
 
 
-cli.add_command(demo_checkpoint)
+for command in (serve, status, openapi, demo_checkpoint):
+    cli.add_command(command)
 
 
 def main() -> None:

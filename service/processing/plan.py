@@ -37,6 +37,14 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # vLLM never loads these
 
 
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= d
+    return tuple(reversed(stride))
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """A tensor to be held: its contiguous storage and the (possibly strided) view exposed."""
@@ -49,11 +57,7 @@ class TensorSpec:
 
     @classmethod
     def contiguous(cls, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorSpec:
-        stride, acc = [], 1
-        for d in reversed(shape):
-            stride.append(acc)
-            acc *= d
-        return cls(name, dtype, shape, shape, tuple(reversed(stride)))
+        return cls(name, dtype, shape, shape, contiguous_stride(shape))
 
     @property
     def nbytes(self) -> int:
@@ -65,6 +69,10 @@ class TensorSpec:
     def view(self, storage: torch.Tensor) -> torch.Tensor:
         """The exposed tensor over a contiguous ``storage`` of :attr:`storage_shape`."""
         return storage.as_strided(self.shape, self.stride)
+
+    def storage_of(self, view: torch.Tensor) -> torch.Tensor:
+        """The contiguous storage behind a tensor made by :meth:`view` (the inverse)."""
+        return view.as_strided(self.storage_shape, contiguous_stride(self.storage_shape))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,319 @@
+"""HTTP clients for the daemon's API, sync and async, over TCP or a Unix socket.
+
+Every error body is turned back into the typed error the daemon raised
+(:func:`service.errors.error_from_problem`); a daemon that cannot be reached raises
+:class:`~service.errors.DaemonUnavailableError`. Requests that are safe to repeat (reads, renew,
+release) are retried a bounded number of times on connection errors; a lease grant is not, since a
+grant that reached the daemon but whose answer was lost would leak a lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from service.errors import DaemonUnavailableError, WeightCacheError, error_from_problem
+from service.schemas.health import Health, Readiness
+from service.schemas.inventory import Inventory
+from service.schemas.layout import Kernel, WeightFormat
+from service.schemas.leases import LeaseGrant, LeaseInfo, LeaseRequest
+from service.schemas.models import LoadModelRequest, ModelInfo
+
+DEFAULT_URL = "http://127.0.0.1:8470"
+T = TypeVar("T", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Where the daemon is and how to talk to it (``WEIGHT_CACHE_URL``/``_UDS``/``_TOKEN``)."""
+
+    url: str = DEFAULT_URL
+    uds: str | None = None
+    token: str | None = None
+    timeout_s: float = 10.0
+    retries: int = 2
+    retry_backoff_s: float = 0.1
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> ClientConfig:
+        token = os.environ.get("WEIGHT_CACHE_TOKEN")
+        token_file = os.environ.get("WEIGHT_CACHE_TOKEN_FILE")
+        if token is None and token_file:
+            token = Path(token_file).read_text(encoding="utf-8").strip()
+        values: dict[str, Any] = {
+            "url": os.environ.get("WEIGHT_CACHE_URL", DEFAULT_URL),
+            "uds": os.environ.get("WEIGHT_CACHE_UDS") or None,
+            "token": token,
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"accept": "application/json", **self.headers}
+        if self.token:
+            headers["authorization"] = f"Bearer {self.token}"
+        return headers
+
+    def _base_url(self) -> str:
+        return "http://weight-cache" if self.uds else self.url.rstrip("/")
+
+
+def _raise_for_problem(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        body = response.json()
+    except ValueError:
+        body = {}
+    if not isinstance(body, dict):
+        body = {}
+    raise error_from_problem(body or {"detail": response.text[:500]}, response.status_code)
+
+
+def _unavailable(config: ClientConfig, exc: Exception) -> DaemonUnavailableError:
+    where = config.uds or config.url
+    return DaemonUnavailableError(f"cannot reach the daemon at {where}: {exc}", url=where)
+
+
+_RETRYABLE = (
+    httpx.ConnectError,
+    httpx.ReadTimeout,
+    httpx.RemoteProtocolError,
+    httpx.ConnectTimeout,
+)
+
+
+class DaemonClient:
+    """Synchronous client (used by the CLI and by engines at load time)."""
+
+    def __init__(self, config: ClientConfig | None = None) -> None:
+        self.config = config or ClientConfig.from_env()
+        transport = httpx.HTTPTransport(uds=self.config.uds) if self.config.uds else None
+        self._http = httpx.Client(
+            base_url=self.config._base_url(),
+            transport=transport,
+            headers=self.config._headers(),
+            timeout=self.config.timeout_s,
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> DaemonClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        idempotent: bool,
+        json: Any = None,
+    ) -> httpx.Response:
+        attempts = 1 + (self.config.retries if idempotent else 0)
+        for attempt in range(attempts):
+            try:
+                response = self._http.request(method, path, json=json)
+            except _RETRYABLE as exc:
+                if attempt + 1 >= attempts:
+                    raise _unavailable(self.config, exc) from exc
+                time.sleep(self.config.retry_backoff_s * (2**attempt))
+                continue
+            except httpx.HTTPError as exc:
+                raise _unavailable(self.config, exc) from exc
+            _raise_for_problem(response)
+            return response
+        raise AssertionError("unreachable")
+
+    def _get(self, path: str, model: type[T]) -> T:
+        return model.model_validate_json(self._request("GET", path, idempotent=True).content)
+
+    def health(self) -> Health:
+        return self._get("/health", Health)
+
+    def ready(self) -> Readiness:
+        response = self._http.get("/ready")
+        return Readiness.model_validate_json(response.content)
+
+    def inventory(self) -> Inventory:
+        return self._get("/v1/inventory", Inventory)
+
+    def models(self) -> list[ModelInfo]:
+        response = self._request("GET", "/v1/models", idempotent=True)
+        return [ModelInfo.model_validate(m) for m in response.json()]
+
+    def model(self, model_id: str) -> ModelInfo:
+        return self._get(f"/v1/models/{model_id}", ModelInfo)
+
+    def load_model(self, path: str, model_id: str | None = None, tp_size: int = 1) -> ModelInfo:
+        body = LoadModelRequest(path=path, id=model_id, tp_size=tp_size)
+        response = self._request(
+            "POST", "/v1/models", idempotent=False, json=body.model_dump(exclude_none=True)
+        )
+        return ModelInfo.model_validate_json(response.content)
+
+    def unload_model(self, model_id: str) -> None:
+        self._request("DELETE", f"/v1/models/{model_id}", idempotent=True)
+
+    def wait_ready(
+        self, model_id: str, timeout_s: float = 600.0, poll_s: float = 0.05
+    ) -> ModelInfo:
+        """Poll until the model is ready (raises its load error if it failed)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = self.model(model_id)
+            if info.state.value == "ready":
+                return info
+            if info.state.value == "failed":
+                assert info.error is not None
+                raise error_from_problem(info.error.model_dump(exclude_none=True), 422)
+            if time.monotonic() > deadline:
+                raise DaemonUnavailableError(f"model {model_id} not ready after {timeout_s} s")
+            time.sleep(poll_s)
+
+    def lease(
+        self,
+        model: str,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        kernel: str = Kernel.cutlass.value,
+        format: str = WeightFormat.default.value,
+        ttl_s: float | None = None,
+        client_pid: int | None = None,
+    ) -> LeaseGrant:
+        body = LeaseRequest(
+            model=model,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            kernel=kernel,
+            format=format,
+            client_pid=client_pid or os.getpid(),
+            ttl_s=ttl_s,
+        )
+        response = self._request(
+            "POST",
+            "/v1/leases",
+            idempotent=False,
+            json=body.model_dump(mode="json", exclude_none=True),
+        )
+        return LeaseGrant.model_validate_json(response.content)
+
+    def leases(self) -> list[LeaseInfo]:
+        response = self._request("GET", "/v1/leases", idempotent=True)
+        return [LeaseInfo.model_validate(x) for x in response.json()]
+
+    def get_lease(self, lease_id: str) -> LeaseInfo:
+        return self._get(f"/v1/leases/{lease_id}", LeaseInfo)
+
+    def renew(self, lease_id: str, ttl_s: float | None = None) -> LeaseInfo:
+        body = {"ttl_s": ttl_s} if ttl_s is not None else None
+        response = self._request("POST", f"/v1/leases/{lease_id}/renew", idempotent=True, json=body)
+        return LeaseInfo.model_validate_json(response.content)
+
+    def release(self, lease_id: str) -> None:
+        self._request("DELETE", f"/v1/leases/{lease_id}", idempotent=True)
+
+
+class AsyncDaemonClient:
+    """The same API for asyncio callers."""
+
+    def __init__(self, config: ClientConfig | None = None) -> None:
+        self.config = config or ClientConfig.from_env()
+        transport = httpx.AsyncHTTPTransport(uds=self.config.uds) if self.config.uds else None
+        self._http = httpx.AsyncClient(
+            base_url=self.config._base_url(),
+            transport=transport,
+            headers=self.config._headers(),
+            timeout=self.config.timeout_s,
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncDaemonClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        idempotent: bool,
+        json: Any = None,
+    ) -> httpx.Response:
+        attempts = 1 + (self.config.retries if idempotent else 0)
+        for attempt in range(attempts):
+            try:
+                response = await self._http.request(method, path, json=json)
+            except _RETRYABLE as exc:
+                if attempt + 1 >= attempts:
+                    raise _unavailable(self.config, exc) from exc
+                await asyncio.sleep(self.config.retry_backoff_s * (2**attempt))
+                continue
+            except httpx.HTTPError as exc:
+                raise _unavailable(self.config, exc) from exc
+            _raise_for_problem(response)
+            return response
+        raise AssertionError("unreachable")
+
+    async def health(self) -> Health:
+        response = await self._request("GET", "/health", idempotent=True)
+        return Health.model_validate_json(response.content)
+
+    async def inventory(self) -> Inventory:
+        response = await self._request("GET", "/v1/inventory", idempotent=True)
+        return Inventory.model_validate_json(response.content)
+
+    async def lease(
+        self,
+        model: str,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        kernel: str = Kernel.cutlass.value,
+        format: str = WeightFormat.default.value,
+        ttl_s: float | None = None,
+        client_pid: int | None = None,
+    ) -> LeaseGrant:
+        body = LeaseRequest(
+            model=model,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            kernel=kernel,
+            format=format,
+            client_pid=client_pid or os.getpid(),
+            ttl_s=ttl_s,
+        )
+        response = await self._request(
+            "POST",
+            "/v1/leases",
+            idempotent=False,
+            json=body.model_dump(mode="json", exclude_none=True),
+        )
+        return LeaseGrant.model_validate_json(response.content)
+
+    async def renew(self, lease_id: str, ttl_s: float | None = None) -> LeaseInfo:
+        body = {"ttl_s": ttl_s} if ttl_s is not None else None
+        response = await self._request(
+            "POST", f"/v1/leases/{lease_id}/renew", idempotent=True, json=body
+        )
+        return LeaseInfo.model_validate_json(response.content)
+
+    async def release(self, lease_id: str) -> None:
+        await self._request("DELETE", f"/v1/leases/{lease_id}", idempotent=True)
+
+
+__all__ = ["AsyncDaemonClient", "ClientConfig", "DaemonClient", "WeightCacheError"]

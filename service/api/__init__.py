@@ -1,0 +1,1 @@
+"""The REST API: a FastAPI app over :class:`service.daemon.Daemon`, one router per resource."""

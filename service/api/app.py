@@ -1,0 +1,61 @@
+"""The FastAPI application: routers, auth, problem documents, body limit, and the lifespan
+that starts loading and runs the lease reaper."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import Depends, FastAPI
+
+from service.api import problems
+from service.api.auth import require_token
+from service.api.limits import BodySizeLimit
+from service.api.routes import health, inventory, leases, metrics, models
+from service.daemon import Daemon
+from service.settings import DaemonSettings
+from service.version import __version__
+
+log = logging.getLogger(__name__)
+
+
+async def _reaper(daemon: Daemon) -> None:
+    while True:
+        await asyncio.sleep(daemon.settings.reaper_interval_s)
+        try:
+            daemon.sweep()
+        except Exception:  # the reaper must outlive any one bad sweep
+            log.exception("lease sweep failed")
+
+
+def create_app(settings: DaemonSettings, daemon: Daemon | None = None) -> FastAPI:
+    daemon = daemon or Daemon(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        daemon.start()
+        reaper = asyncio.create_task(_reaper(daemon))
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+            daemon.shutdown()
+
+    app = FastAPI(
+        title="weight-cache",
+        version=__version__,
+        summary="Processed ModelOpt FP8 weights, resident on the GPU, lent to vLLM engines.",
+        lifespan=lifespan,
+    )
+    app.state.daemon = daemon
+    problems.install(app)
+    app.include_router(health.router)
+    protected = [Depends(require_token)]
+    for router in (inventory.router, models.router, leases.router, metrics.router):
+        app.include_router(router, dependencies=protected)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    return app

@@ -1,0 +1,98 @@
+"""Errors as ``application/problem+json``: every refusal carries a stable ``code``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.errors import (
+    InvalidRequestError,
+    ModelLoadingError,
+    NotFoundError,
+    WeightCacheError,
+)
+from service.schemas.problem import Problem
+
+log = logging.getLogger(__name__)
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+
+_HTTP_CODES = {404: NotFoundError, 405: "method_not_allowed", 401: "unauthorized"}
+
+
+def problem_response(error: WeightCacheError, **headers: str) -> JSONResponse:
+    body = error.problem_fields()
+    if isinstance(error, ModelLoadingError):
+        headers["Retry-After"] = str(error.extra.get("retry_after_s", 1))
+    return JSONResponse(
+        body, status_code=error.status, media_type=PROBLEM_MEDIA_TYPE, headers=headers or None
+    )
+
+
+def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries documenting problem bodies for ``statuses``."""
+    return {
+        status: {
+            "model": Problem,
+            "content": {PROBLEM_MEDIA_TYPE: {}},
+            "description": "Problem document; see `code`",
+        }
+        for status in statuses
+    }
+
+
+def install(app: FastAPI) -> None:
+    def count(request: Request, code: str) -> None:
+        daemon = getattr(request.app.state, "daemon", None)
+        if daemon is not None:
+            daemon.metrics.refusals.labels(code=code).inc()
+
+    @app.exception_handler(WeightCacheError)
+    async def _typed(request: Request, exc: WeightCacheError) -> JSONResponse:
+        count(request, exc.code)
+        return problem_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [
+            {
+                "loc": [str(x) for x in e.get("loc", ())],
+                "msg": str(e.get("msg", "")),
+                "type": str(e.get("type", "")),
+            }
+            for e in exc.errors()
+        ]
+        error = InvalidRequestError("the request does not match the API schema", errors=errors)
+        count(request, error.code)
+        return problem_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(
+            exc.status_code, "http_error"
+        )
+        error = WeightCacheError(str(exc.detail))
+        body = error.problem_fields() | {
+            "status": exc.status_code,
+            "code": code,
+            "type": f"urn:weight-cache:problem:{code}",
+            "title": str(exc.detail),
+        }
+        count(request, code)
+        return JSONResponse(
+            body,
+            status_code=exc.status_code,
+            media_type=PROBLEM_MEDIA_TYPE,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        count(request, WeightCacheError.code)
+        return problem_response(WeightCacheError(f"internal error: {type(exc).__name__}"))

@@ -1,0 +1,33 @@
+"""``/health`` and ``/ready``: open to everyone, never blocked by a load."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
+
+from service.api.routes.deps import get_daemon
+from service.daemon import Daemon
+from service.schemas.health import Health, Readiness
+
+router = APIRouter(tags=["health"])
+DaemonDep = Annotated[Daemon, Depends(get_daemon)]
+
+
+@router.get("/health", response_model=Health, summary="Liveness, boot id and version")
+async def health(daemon: DaemonDep) -> Health:
+    return daemon.health()
+
+
+@router.get(
+    "/ready",
+    response_model=Readiness,
+    summary="Whether every model asked for at start is ready",
+    responses={503: {"model": Readiness, "description": "Still loading, or a model failed"}},
+)
+async def ready(daemon: DaemonDep) -> JSONResponse:
+    readiness = daemon.readiness()
+    return JSONResponse(
+        readiness.model_dump(mode="json"), status_code=200 if readiness.ready else 503
+    )

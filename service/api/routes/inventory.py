@@ -1,0 +1,19 @@
+"""``/v1/inventory``: devices, memory held, and every model."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends
+
+from service.api.problems import problem_responses
+from service.api.routes.deps import get_daemon
+from service.daemon import Daemon
+from service.schemas.inventory import Inventory
+
+router = APIRouter(prefix="/v1", tags=["inventory"], responses=problem_responses(401))
+
+
+@router.get("/inventory", response_model=Inventory, summary="Devices, cache memory and models")
+async def inventory(daemon: Annotated[Daemon, Depends(get_daemon)]) -> Inventory:
+    return daemon.inventory()

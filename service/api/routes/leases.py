@@ -1,0 +1,74 @@
+"""``/v1/leases``: lend a model's arenas to an engine, renew, release."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Depends, Response, status
+from fastapi import Path as PathParam
+
+from service.api.problems import problem_responses
+from service.api.routes.deps import get_daemon
+from service.daemon import Daemon
+from service.schemas.leases import LeaseGrant, LeaseInfo, LeaseRequest, RenewRequest
+
+router = APIRouter(prefix="/v1/leases", tags=["leases"], responses=problem_responses(401, 422))
+DaemonDep = Annotated[Daemon, Depends(get_daemon)]
+LeaseId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]
+
+
+@router.post(
+    "",
+    response_model=LeaseGrant,
+    status_code=status.HTTP_201_CREATED,
+    summary="Lease one TP rank of a model: its handles and full layout manifest",
+    responses=problem_responses(404, 409, 503),
+)
+async def grant(body: LeaseRequest, response: Response, daemon: DaemonDep) -> LeaseGrant:
+    start = time.perf_counter()
+    info, manifest = daemon.grant(body)
+    response.headers["Location"] = f"/v1/leases/{info.id}"
+    grant = LeaseGrant(lease=info, manifest=manifest)
+    daemon.metrics.lease_seconds.observe(time.perf_counter() - start)
+    return grant
+
+
+@router.get("", response_model=list[LeaseInfo], summary="Active leases")
+async def list_leases(daemon: DaemonDep) -> list[LeaseInfo]:
+    return daemon.list_leases()
+
+
+@router.get(
+    "/{lease_id}",
+    response_model=LeaseInfo,
+    summary="One lease",
+    responses=problem_responses(404, 409, 410),
+)
+async def get_lease(lease_id: LeaseId, daemon: DaemonDep) -> LeaseInfo:
+    return daemon.lease(lease_id)
+
+
+@router.post(
+    "/{lease_id}/renew",
+    response_model=LeaseInfo,
+    summary="Extend a lease",
+    responses=problem_responses(404, 409, 410),
+)
+async def renew(
+    lease_id: LeaseId,
+    daemon: DaemonDep,
+    body: Annotated[RenewRequest | None, Body()] = None,
+) -> LeaseInfo:
+    return daemon.renew(lease_id, body.ttl_s if body else None)
+
+
+@router.delete(
+    "/{lease_id}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    summary="Release a lease",
+    responses=problem_responses(404, 409, 410),
+)
+async def release(lease_id: LeaseId, daemon: DaemonDep) -> Response:
+    daemon.release(lease_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

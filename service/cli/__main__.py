@@ -1,0 +1,5 @@
+"""``python -m service.cli``: the same as the ``weight-cache`` command."""
+
+from service.cli import main
+
+main()

@@ -1,0 +1,358 @@
+"""The daemon's composition root: models, leases and their rules, behind one lock.
+
+HTTP routes call these methods and nothing else. Every decision that could race (granting a
+lease on a model that is being unloaded, unloading a model a lease was just granted on) happens
+under ``self.lock``, so an arena is never released while a lease on it is active.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from service.errors import (
+    CheckpointNotFoundError,
+    InvalidRequestError,
+    LayoutMismatchError,
+    ModelExistsError,
+    ModelFailedError,
+    ModelInUseError,
+    ModelLoadingError,
+    ModelNotFoundError,
+    PathNotAllowedError,
+    WeightCacheError,
+)
+from service.memory.devices import device_infos, resolve_placements
+from service.memory.shm import remove_stale_files
+from service.metrics import Metrics
+from service.registry.leases import LeaseEnd, LeaseTable
+from service.registry.loader import LoadRequest, load_model
+from service.registry.models import ModelRecord
+from service.schemas.health import Health, Readiness
+from service.schemas.inventory import Inventory
+from service.schemas.layout import Kernel, WeightFormat
+from service.schemas.leases import LeaseInfo, LeaseRequest
+from service.schemas.manifest import ArenaDescriptor, DaemonIdentity, Manifest
+from service.schemas.models import ModelInfo, ModelState
+from service.settings import DaemonSettings
+from service.version import PROTOCOL_VERSION, __version__
+
+log = logging.getLogger(__name__)
+
+# What every model here was processed for; a lease asking for anything else is refused.
+SERVED_KERNEL = Kernel.cutlass
+SERVED_FORMAT = WeightFormat.default
+
+
+def default_model_id(path: Path) -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", path.resolve().name).lstrip("._-")
+    return (name or "model")[:128]
+
+
+class Daemon:
+    def __init__(self, settings: DaemonSettings) -> None:
+        self.settings = settings
+        self.boot_id = secrets.token_hex(8)
+        self.started = time.monotonic()
+        self.lock = threading.RLock()
+        self.models: dict[str, ModelRecord] = {}
+        self.leases = LeaseTable(self.boot_id)
+        self.startup_models: list[str] = []
+        self.metrics = Metrics(self)
+        self.identity = DaemonIdentity(
+            boot_id=self.boot_id,
+            protocol_version=PROTOCOL_VERSION,
+            weight_cache_version=__version__,
+            torch_version=torch.__version__,
+        )
+        self._threads: list[threading.Thread] = []
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Clean up after dead daemons and start loading the models asked for at start."""
+        for path in remove_stale_files(self.settings.shm_dir):
+            log.info("removed stale shared-memory arena %s", path)
+        if torch.cuda.is_available():
+            # Opening an expandable-segment handle costs time in proportion to its size.
+            torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        for i, path in enumerate(self.settings.models):
+            model_id = self.settings.model_id if i == 0 and self.settings.model_id else None
+            record = self.load(path, model_id, self.settings.tp_size, check_allowed=False)
+            self.startup_models.append(record.id)
+
+    def shutdown(self) -> None:
+        with self.lock:
+            for record in self.models.values():
+                record.progress.cancelled.set()
+                record.release()
+            self.models.clear()
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+    # --- models --------------------------------------------------------------------------------
+
+    def _check_allowed(self, path: Path) -> Path:
+        roots = [r.resolve() for r in self.settings.allowed_roots]
+        if not roots:
+            raise PathNotAllowedError(
+                "loading over the API is disabled: start the daemon with --allowed-root",
+                path=str(path),
+            )
+        resolved = path.resolve()
+
+        def check(candidate: Path) -> None:
+            real = candidate.resolve()
+            if not any(real.is_relative_to(root) for root in roots):
+                raise PathNotAllowedError(
+                    f"{candidate} resolves outside the allowed roots",
+                    path=str(path),
+                    resolved=str(real),
+                )
+
+        check(resolved)  # outside the roots: refused before saying whether it exists
+        if not resolved.is_dir():
+            raise CheckpointNotFoundError("checkpoint directory does not exist", file=str(path))
+        for candidate in resolved.iterdir():
+            check(candidate)
+        return resolved
+
+    def load(
+        self, path: Path, model_id: str | None, tp_size: int, check_allowed: bool = True
+    ) -> ModelRecord:
+        """Register a model and load it in a worker thread (returns at once)."""
+        if check_allowed:
+            path = self._check_allowed(path)
+        model_id = model_id or default_model_id(path)
+        placements = resolve_placements(self.settings.device, tp_size)
+        with self.lock:
+            if model_id in self.models:
+                raise ModelExistsError(f"model id {model_id!r} is taken", model=model_id)
+            record = ModelRecord(id=model_id, path=path, tp_size=tp_size)
+            self.models[model_id] = record
+        request = LoadRequest(
+            model_id=model_id,
+            path=path,
+            tp_size=tp_size,
+            placements=placements,
+            shm_dir=self.settings.shm_dir,
+            daemon=self.identity,
+            budget_left=self._budget_left,
+        )
+        thread = threading.Thread(
+            target=self._load, args=(record, request), name=f"load-{model_id}", daemon=True
+        )
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+        return record
+
+    def _budget_left(self) -> int | None:
+        budget = self.settings.memory_budget_bytes
+        if budget is None:
+            return None
+        with self.lock:
+            return budget - sum(r.bytes_resident for r in self.models.values())
+
+    def _load(self, record: ModelRecord, request: LoadRequest) -> None:
+        log.info("loading %s from %s (tp_size %d)", record.id, record.path, record.tp_size)
+        try:
+            ckpt, ranks = load_model(request, record.progress)
+        except WeightCacheError as exc:
+            self._load_failed(record, exc)
+            return
+        except Exception as exc:  # an unexpected bug must still leave the model 'failed'
+            log.exception("loading %s failed unexpectedly", record.id)
+            self._load_failed(record, WeightCacheError(f"{type(exc).__name__}: {exc}"))
+            return
+        with self.lock:
+            if record.progress.cancelled.is_set() or self.models.get(record.id) is not record:
+                for rank in ranks:
+                    rank.arena.release()
+                return
+            record.ranks = ranks
+            record.architecture = ckpt.dims.architecture
+            record.quant_algo = ckpt.quant.quant_algo
+            record.fingerprint = ckpt.fingerprint
+            record.load_seconds = time.monotonic() - record.started_at
+            record.state = ModelState.ready
+        self.metrics.load_seconds.observe(record.load_seconds)
+        log.info(
+            "%s ready: %d bytes in %.2f s", record.id, record.bytes_resident, record.load_seconds
+        )
+
+    def _load_failed(self, record: ModelRecord, exc: WeightCacheError) -> None:
+        with self.lock:
+            record.error = exc
+            record.state = ModelState.failed
+            record.load_seconds = time.monotonic() - record.started_at
+        log.error("loading %s failed: %s", record.id, exc)
+
+    def model(self, model_id: str) -> ModelRecord:
+        with self.lock:
+            record = self.models.get(model_id)
+        if record is None:
+            raise ModelNotFoundError(f"no model {model_id!r}", model=model_id)
+        return record
+
+    def model_info(self, record: ModelRecord) -> ModelInfo:
+        with self.lock:
+            return record.info(self.leases.count(record.id))
+
+    def list_models(self) -> list[ModelInfo]:
+        with self.lock:
+            return [r.info(self.leases.count(r.id)) for r in self.models.values()]
+
+    def unload(self, model_id: str) -> None:
+        """Forget a model and free its arenas; refused while any lease on it is active."""
+        with self.lock:
+            record = self.model(model_id)
+            self.sweep()
+            active = self.leases.count(model_id)
+            if active:
+                raise ModelInUseError(
+                    f"model {model_id!r} has {active} active lease(s)",
+                    model=model_id,
+                    active_leases=active,
+                )
+            del self.models[model_id]
+            record.progress.cancelled.set()
+            record.release()
+        log.info("unloaded %s", model_id)
+
+    # --- leases --------------------------------------------------------------------------------
+
+    def grant(self, req: LeaseRequest) -> tuple[LeaseInfo, Manifest]:
+        with self.lock:
+            record = self.model(req.model)
+            if record.state is ModelState.loading:
+                raise ModelLoadingError(
+                    f"model {req.model!r} is still loading",
+                    model=req.model,
+                    retry_after_s=record.retry_after_s(),
+                )
+            if record.state is ModelState.failed:
+                assert record.error is not None
+                raise ModelFailedError(
+                    f"model {req.model!r} failed to load: {record.error.detail}",
+                    model=req.model,
+                    reason=record.error.code,
+                )
+            mismatches = {}
+            for name, asked, served in (
+                ("kernel", req.kernel, SERVED_KERNEL.value),
+                ("format", req.format, SERVED_FORMAT.value),
+                ("tp_size", req.tp_size, record.tp_size),
+            ):
+                if asked != served:
+                    mismatches[name] = {"requested": asked, "served": served}
+            if mismatches:
+                raise LayoutMismatchError(
+                    f"requested {', '.join(mismatches)} differ from what {req.model!r} was "
+                    "processed for",
+                    model=req.model,
+                    mismatches=mismatches,
+                )
+            if req.tp_rank >= record.tp_size:
+                raise InvalidRequestError(
+                    f"tp_rank {req.tp_rank} is outside tp_size {record.tp_size}"
+                )
+            ttl = req.ttl_s or self.settings.default_ttl_s
+            if ttl > self.settings.max_ttl_s:
+                raise InvalidRequestError(
+                    f"ttl_s {ttl} exceeds this daemon's maximum of {self.settings.max_ttl_s}"
+                )
+            rank = record.ranks[req.tp_rank]
+            handle = rank.arena.export()  # fresh for every lease
+            lease = self.leases.add(
+                req.model, req.tp_rank, req.tp_size, req.client_pid, ttl, self.leases.now()
+            )
+            info = lease.info(self.boot_id)
+        manifest = rank.manifest.model_copy(
+            update={"arenas": [ArenaDescriptor(index=0, nbytes=rank.arena.nbytes, handle=handle)]}
+        )
+        self.metrics.leases_granted.inc()
+        return info, manifest
+
+    def lease(self, lease_id: str) -> LeaseInfo:
+        with self.lock:
+            return self.leases.get(lease_id, self.leases.now()).info(self.boot_id)
+
+    def list_leases(self) -> list[LeaseInfo]:
+        with self.lock:
+            self.sweep()
+            return [lease.info(self.boot_id) for lease in self.leases.active.values()]
+
+    def renew(self, lease_id: str, ttl_s: float | None) -> LeaseInfo:
+        if ttl_s is not None and ttl_s > self.settings.max_ttl_s:
+            raise InvalidRequestError(
+                f"ttl_s {ttl_s} exceeds this daemon's maximum of {self.settings.max_ttl_s}"
+            )
+        with self.lock:
+            return self.leases.renew(lease_id, ttl_s, self.leases.now()).info(self.boot_id)
+
+    def release(self, lease_id: str) -> None:
+        with self.lock:
+            self.leases.get(lease_id, self.leases.now())
+            self.leases.end(lease_id, LeaseEnd.released)
+        self.metrics.leases_released.inc()
+
+    def sweep(self) -> None:
+        """End expired leases and those whose client died."""
+        with self.lock:
+            ended = self.leases.sweep(self.leases.now())
+        for lease, how in ended:
+            log.info(
+                "lease %s on %s %s (pid %d)", lease.id, lease.model, how.value, lease.client_pid
+            )
+            counter = (
+                self.metrics.leases_expired
+                if how is LeaseEnd.expired
+                else (self.metrics.leases_reaped)
+            )
+            counter.inc()
+        if ended and torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+
+    # --- views ---------------------------------------------------------------------------------
+
+    def health(self) -> Health:
+        return Health(
+            boot_id=self.boot_id,
+            version=__version__,
+            protocol_version=PROTOCOL_VERSION,
+            uptime_s=time.monotonic() - self.started,
+        )
+
+    def readiness(self) -> Readiness:
+        with self.lock:
+            states = {
+                m: (self.models[m].state if m in self.models else ModelState.failed)
+                for m in self.startup_models
+            }
+            failed = {}
+            for m, state in states.items():
+                if state is ModelState.failed:
+                    record = self.models.get(m)
+                    failed[m] = str(record.error) if record and record.error else "unloaded"
+        waiting = [m for m, s in states.items() if s is ModelState.loading]
+        return Readiness(
+            ready=not waiting and not failed, models=states, waiting=waiting, failed=failed
+        )
+
+    def inventory(self) -> Inventory:
+        models = self.list_models()
+        return Inventory(
+            boot_id=self.boot_id,
+            version=__version__,
+            devices=device_infos(self.settings.device, self.settings.shm_dir),
+            cache_bytes=sum(m.bytes_resident for m in models),
+            memory_budget=self.settings.memory_budget_bytes,
+            models=models,
+            active_leases=sum(m.active_leases for m in models),
+        )

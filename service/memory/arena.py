@@ -1,0 +1,115 @@
+"""Arenas: one contiguous allocation per model and TP rank holding every processed tensor, so an
+engine opens one handle per arena, not one per tensor.
+
+On CUDA the arena is a plain device allocation (never an expandable segment: opening those costs
+time proportional to their size). On the CPU it is a shared-memory file. Either way every tensor
+is a 256-byte-aligned view into it.
+"""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+
+import torch
+
+from service.memory.cuda_ipc import export_cuda_arena
+from service.memory.devices import Placement
+from service.memory.layout import ArenaLayout
+from service.memory.shm import ShmFile
+from service.processing.plan import TensorSpec
+from service.schemas.manifest import ArenaHandle, DeviceIdentity, DeviceKind, ShmHandle
+
+
+def storage_view(base: torch.Tensor, offset: int, spec: TensorSpec) -> torch.Tensor:
+    """The contiguous storage of ``spec`` inside the byte tensor ``base``, at ``offset``."""
+    raw = base[offset : offset + spec.nbytes]
+    return raw.view(spec.dtype).view(spec.storage_shape)
+
+
+class Arena(abc.ABC):
+    """A byte range that holds one rank's tensors."""
+
+    def __init__(self, layout: ArenaLayout, device: DeviceIdentity) -> None:
+        self.layout = layout
+        self.device = device
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+    @property
+    @abc.abstractmethod
+    def base(self) -> torch.Tensor:
+        """The whole arena as a 1-D uint8 tensor."""
+
+    def storage(self, spec: TensorSpec) -> torch.Tensor:
+        return storage_view(self.base, self.layout.offsets[spec.name], spec)
+
+    @abc.abstractmethod
+    def export(self) -> ArenaHandle:
+        """A handle for one lease (fresh per lease on CUDA)."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Give the memory back (engines holding a mapping keep theirs)."""
+
+
+class ShmArena(Arena):
+    def __init__(
+        self, layout: ArenaLayout, device: DeviceIdentity, directory: Path, boot_id: str, label: str
+    ) -> None:
+        super().__init__(layout, device)
+        self._boot_id = boot_id
+        self._file: ShmFile | None = ShmFile(directory, boot_id, label, layout.nbytes)
+
+    @property
+    def base(self) -> torch.Tensor:
+        assert self._file is not None, "arena released"
+        return self._file.tensor
+
+    @property
+    def path(self) -> Path:
+        assert self._file is not None, "arena released"
+        return self._file.path
+
+    def export(self) -> ShmHandle:
+        return ShmHandle(path=str(self.path), size=self.nbytes, boot_id=self._boot_id)
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class CudaArena(Arena):
+    def __init__(self, layout: ArenaLayout, device: DeviceIdentity, index: int) -> None:
+        super().__init__(layout, device)
+        self._base: torch.Tensor | None = torch.empty(
+            layout.nbytes, dtype=torch.uint8, device=torch.device("cuda", index)
+        )
+
+    @property
+    def base(self) -> torch.Tensor:
+        assert self._base is not None, "arena released"
+        return self._base
+
+    def export(self) -> ArenaHandle:
+        assert self.device.uuid is not None
+        return export_cuda_arena(self.base, self.device.uuid)
+
+    def release(self) -> None:
+        # torch keeps a block that consumers still reference alive ("limbo") until their
+        # reference counts drop; ipc_collect frees what no consumer holds any more.
+        self._base = None
+        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+
+
+def allocate_arena(
+    layout: ArenaLayout, placement: Placement, shm_dir: Path, boot_id: str, label: str
+) -> Arena:
+    device = placement.identity()
+    if placement.kind is DeviceKind.cpu:
+        return ShmArena(layout, device, shm_dir, boot_id, label)
+    assert placement.index is not None
+    return CudaArena(layout, device, placement.index)

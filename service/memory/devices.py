@@ -1,0 +1,160 @@
+"""The devices arenas live on, and how both sides name them.
+
+GPUs are named by UUID (``GPU-...``): the daemon and an engine may number them differently
+(``CUDA_VISIBLE_DEVICES``), so an engine finds its own index for a leased arena by UUID. The CPU
+twin is named by the kernel's boot id, which every process and container on one host shares.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from service.schemas.inventory import DeviceInfo
+from service.schemas.manifest import DeviceIdentity, DeviceKind
+
+_KERNEL_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def host_id() -> str:
+    try:
+        return "host-" + _KERNEL_BOOT_ID.read_text().strip()
+    except OSError:
+        return "host-" + platform.node()
+
+
+def cuda_uuid(index: int) -> str:
+    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+
+
+def cuda_index_for_uuid(uuid: str) -> int | None:
+    """This process's CUDA index of the GPU with ``uuid``, or None if it cannot see it."""
+    if not torch.cuda.is_available():
+        return None
+    for index in range(torch.cuda.device_count()):
+        if cuda_uuid(index) == uuid:
+            return index
+    return None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one TP rank's arena goes."""
+
+    kind: DeviceKind
+    index: int | None = None
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu") if self.index is None else torch.device("cuda", self.index)
+
+    def identity(self) -> DeviceIdentity:
+        if self.kind is DeviceKind.cpu:
+            return DeviceIdentity(
+                kind=DeviceKind.cpu,
+                name="host shared memory",
+                uuid=host_id(),
+                compute_capability=None,
+                index=None,
+            )
+        assert self.index is not None
+        props = torch.cuda.get_device_properties(self.index)
+        return DeviceIdentity(
+            kind=DeviceKind.cuda,
+            name=props.name,
+            uuid=cuda_uuid(self.index),
+            compute_capability=f"{props.major}.{props.minor}",
+            index=self.index,
+        )
+
+
+def resolve_placements(device: str, tp_size: int) -> list[Placement]:
+    """Placement of each rank: ``cuda`` puts rank r on GPU r, ``cuda:N`` all ranks on GPU N,
+    ``auto`` is ``cuda`` when a GPU is present, ``cpu`` host shared memory."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return [Placement(DeviceKind.cpu)] * tp_size
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for but CUDA is not available")
+    count = torch.cuda.device_count()
+    if device == "cuda":
+        if tp_size > count:
+            raise ValueError(f"tp_size {tp_size} needs {tp_size} GPUs, {count} visible")
+        return [Placement(DeviceKind.cuda, r) for r in range(tp_size)]
+    index = int(device.split(":", 1)[1])
+    if index >= count:
+        raise ValueError(f"device {device} does not exist ({count} GPUs visible)")
+    return [Placement(DeviceKind.cuda, index)] * tp_size
+
+
+def device_infos(device: str, shm_dir: Path) -> list[DeviceInfo]:
+    """Every device the daemon may place arenas on, with its memory."""
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        usage = shutil.disk_usage(shm_dir)
+        ident = Placement(DeviceKind.cpu).identity()
+        return [
+            DeviceInfo(
+                kind=ident.kind,
+                name=ident.name,
+                uuid=ident.uuid,
+                compute_capability=None,
+                total_memory=usage.total,
+                free_memory=usage.free,
+            )
+        ]
+    indices = (
+        range(torch.cuda.device_count())
+        if device in ("auto", "cuda")
+        else [int(device.split(":", 1)[1])]
+    )
+    infos = []
+    for index in indices:
+        ident = Placement(DeviceKind.cuda, index).identity()
+        free, total = torch.cuda.mem_get_info(index)
+        infos.append(
+            DeviceInfo(
+                kind=ident.kind,
+                name=ident.name,
+                uuid=ident.uuid,
+                compute_capability=ident.compute_capability,
+                total_memory=total,
+                free_memory=free,
+            )
+        )
+    return infos
+
+
+def process_alive(pid: int, start_ticks: int | None = None) -> bool:
+    """Whether ``pid`` is a live (non-zombie) process, and the same one if its start time is
+    known (guards against PID reuse)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    ticks_state = process_start(pid)
+    if ticks_state is None:
+        return True  # no /proc view; trust kill(0)
+    ticks, state = ticks_state
+    if state in ("Z", "X"):
+        return False
+    return start_ticks is None or ticks == start_ticks
+
+
+def process_start(pid: int) -> tuple[int, str] | None:
+    """(start time in clock ticks, state letter) from /proc/<pid>/stat, if visible."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name may hold spaces and parentheses: split after its closing ")".
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[19]), fields[0]

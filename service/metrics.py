@@ -1,0 +1,75 @@
+"""Prometheus metrics, one registry per daemon (so several daemons can live in one test process).
+
+Counters and histograms are updated where things happen; gauges of state (models, bytes,
+active leases) are read from the daemon at scrape time, so they can never drift from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from service.daemon import Daemon
+
+
+class _StateCollector(Collector):
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        models = GaugeMetricFamily("weight_cache_models", "Models by state", labels=["state"])
+        resident = GaugeMetricFamily(
+            "weight_cache_bytes_resident", "Arena bytes held, by model", labels=["model"]
+        )
+        leases = GaugeMetricFamily("weight_cache_leases_active", "Active leases")
+        with self.daemon.lock:
+            counts: dict[str, int] = {"loading": 0, "ready": 0, "failed": 0}
+            for record in self.daemon.models.values():
+                counts[record.state.value] += 1
+                resident.add_metric([record.id], record.bytes_resident)
+            active = self.daemon.leases.count()
+        for state, n in counts.items():
+            models.add_metric([state], n)
+        leases.add_metric([], active)
+        yield models
+        yield resident
+        yield leases
+
+
+class Metrics:
+    def __init__(self, daemon: Daemon) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.leases_granted = Counter("weight_cache_leases_granted", "Leases granted", registry=r)
+        self.leases_released = Counter(
+            "weight_cache_leases_released", "Leases released", registry=r
+        )
+        self.leases_expired = Counter(
+            "weight_cache_leases_expired", "Leases ended by their TTL", registry=r
+        )
+        self.leases_reaped = Counter(
+            "weight_cache_leases_reaped",
+            "Leases ended because their client process died",
+            registry=r,
+        )
+        self.refusals = Counter(
+            "weight_cache_refusals", "Requests refused, by error code", ["code"], registry=r
+        )
+        self.lease_seconds = Histogram(
+            "weight_cache_lease_seconds",
+            "Time to grant a lease, manifest included",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+            registry=r,
+        )
+        self.load_seconds = Histogram(
+            "weight_cache_load_seconds",
+            "Time to load and process a model",
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
+            registry=r,
+        )
+        r.register(_StateCollector(daemon))

@@ -1,0 +1,1 @@
+"""The daemon's state: models being loaded or resident, and the leases lent on them."""

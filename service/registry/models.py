@@ -1,0 +1,78 @@
+"""A model the daemon was asked to hold: its state, progress, failure and resident ranks."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from service.errors import WeightCacheError
+from service.registry.loader import Progress, ResidentRank
+from service.schemas.models import LoadProgress, ModelError, ModelInfo, ModelState
+
+
+@dataclass
+class ModelRecord:
+    id: str
+    path: Path
+    tp_size: int
+    state: ModelState = ModelState.loading
+    progress: Progress = field(default_factory=Progress)
+    error: WeightCacheError | None = None
+    ranks: list[ResidentRank] = field(default_factory=list)
+    architecture: str | None = None
+    quant_algo: str | None = None
+    fingerprint: str | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    load_seconds: float | None = None
+
+    @property
+    def bytes_resident(self) -> int:
+        return sum(rank.arena.nbytes for rank in self.ranks)
+
+    def retry_after_s(self) -> int:
+        """A guess at how long the load will take, from its rate so far (at least 1 s)."""
+        p = self.progress
+        elapsed = time.monotonic() - self.started_at
+        if p.bytes_done <= 0 or elapsed <= 0:
+            return 1
+        remaining = (p.bytes_total - p.bytes_done) * elapsed / p.bytes_done
+        return max(1, round(remaining))
+
+    def info(self, active_leases: int) -> ModelInfo:
+        p = self.progress
+        first = self.ranks[0].manifest if self.ranks else None
+        error = None
+        if self.error is not None:
+            error = ModelError(
+                code=self.error.code,
+                detail=self.error.detail,
+                file=self.error.extra.get("file"),
+                tensor=self.error.extra.get("tensor"),
+            )
+        return ModelInfo(
+            id=self.id,
+            path=str(self.path),
+            state=self.state,
+            tp_size=self.tp_size,
+            progress=LoadProgress(
+                bytes_done=p.bytes_done,
+                bytes_total=p.bytes_total,
+                tensors_done=p.tensors_done,
+                tensors_total=p.tensors_total,
+            ),
+            error=error,
+            architecture=self.architecture,
+            quant_algo=self.quant_algo,
+            fingerprint=self.fingerprint,
+            bytes_resident=self.bytes_resident,
+            tensors=len(first.tensors) if first else 0,
+            layers=len(first.layers) if first else 0,
+            active_leases=active_leases,
+            load_seconds=self.load_seconds,
+        )
+
+    def release(self) -> None:
+        for rank in self.ranks:
+            rank.arena.release()
+        self.ranks = []

@@ -1,0 +1,27 @@
+"""What the daemon holds, for operators."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from service.schemas.manifest import DeviceKind
+from service.schemas.models import ModelInfo
+
+
+class DeviceInfo(BaseModel):
+    kind: DeviceKind
+    name: str
+    uuid: str | None
+    compute_capability: str | None
+    total_memory: int = Field(description="bytes; shared-memory capacity on the CPU")
+    free_memory: int
+
+
+class Inventory(BaseModel):
+    boot_id: str
+    version: str
+    devices: list[DeviceInfo]
+    cache_bytes: int = Field(description="arena bytes held by all models")
+    memory_budget: int | None = Field(description="bytes the cache may hold; null if unbounded")
+    models: list[ModelInfo]
+    active_leases: int

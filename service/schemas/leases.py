@@ -1,0 +1,51 @@
+"""Lease requests and grants."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.schemas.manifest import Manifest
+
+MAX_TTL_S = 86_400.0
+_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class LeaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=128)
+    tp_rank: int = Field(ge=0, le=63)
+    tp_size: int = Field(ge=1, le=64)
+    kernel: str = Field(
+        pattern=_NAME, description="the kernel the engine selected; the daemon serves 'cutlass'"
+    )
+    format: str = Field(
+        pattern=_NAME, description="the weight format the engine expects; 'default' is served"
+    )
+    client_pid: int = Field(ge=1, le=2**31 - 1)
+    ttl_s: float | None = Field(default=None, gt=0, le=MAX_TTL_S)
+
+
+class RenewRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    ttl_s: float | None = Field(default=None, gt=0, le=MAX_TTL_S)
+
+
+class LeaseInfo(BaseModel):
+    id: str
+    model: str
+    tp_rank: int
+    tp_size: int
+    client_pid: int
+    pid_watched: bool = Field(description="whether the daemon can see the PID to reap it")
+    boot_id: str
+    granted_at: float = Field(description="unix seconds")
+    expires_at: float = Field(description="unix seconds")
+    ttl_s: float
+    renewals: int
+
+
+class LeaseGrant(BaseModel):
+    lease: LeaseInfo
+    manifest: Manifest

@@ -1,0 +1,119 @@
+"""The lease manifest: everything an engine needs to rebuild and trust the leased tensors without
+re-running any transform. Handles are JSON (named fields, bytes in base64), never pickle."""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.schemas.layout import LayerLayout, WireDType
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class DeviceKind(str, enum.Enum):
+    cuda = "cuda"
+    cpu = "cpu"  # host shared memory under /dev/shm, the CPU twin of CUDA IPC
+
+
+class DaemonIdentity(BaseModel):
+    model_config = _FROZEN
+
+    boot_id: str = Field(description="random per daemon start; a change means it restarted")
+    protocol_version: int
+    weight_cache_version: str
+    torch_version: str
+
+
+class DeviceIdentity(BaseModel):
+    model_config = _FROZEN
+
+    kind: DeviceKind
+    name: str
+    uuid: str | None = Field(description="GPU UUID (GPU-xxxxxxxx-...); null on the CPU")
+    compute_capability: str | None = Field(description="e.g. '9.0'; null on the CPU")
+    index: int | None = Field(description="the daemon's own CUDA index; engines map by uuid")
+
+
+class CheckpointIdentity(BaseModel):
+    model_config = _FROZEN
+
+    path: str
+    fingerprint: str = Field(description="sha256 of config.json, hf_quant_config.json and headers")
+    architecture: str
+    quant_algo: str
+    kv_cache_quant_algo: str | None
+
+
+class CudaIpcHandle(BaseModel):
+    """The fields of ``torch.multiprocessing.reductions.reduce_tensor`` for the arena's byte
+    tensor, exported afresh for this lease (so torch's IPC reference count sees each consumer)."""
+
+    model_config = _FROZEN
+
+    kind: Literal["cuda_ipc"] = "cuda_ipc"
+    device_uuid: str
+    storage_handle: str = Field(description="cudaIpcMemHandle of the allocator block, base64")
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: str = Field(description="name of torch's IPC ref-counter file, base64")
+    ref_counter_offset: int
+    event_handle: str | None = Field(description="cudaIpcEventHandle, base64")
+    event_sync_required: bool
+    tensor_offset: int = Field(description="arena start within the storage, in bytes")
+    tensor_size: int = Field(description="arena length in bytes")
+
+
+class ShmHandle(BaseModel):
+    """A file under /dev/shm holding the arena; the engine maps it read-only."""
+
+    model_config = _FROZEN
+
+    kind: Literal["shm"] = "shm"
+    path: str
+    size: int
+    boot_id: str
+
+
+ArenaHandle = Annotated[CudaIpcHandle | ShmHandle, Field(discriminator="kind")]
+
+
+class ArenaDescriptor(BaseModel):
+    model_config = _FROZEN
+
+    index: int
+    nbytes: int
+    handle: ArenaHandle
+
+
+class TensorEntry(BaseModel):
+    model_config = _FROZEN
+
+    name: str = Field(description="vLLM parameter name")
+    arena: int
+    offset: int = Field(
+        description="byte offset of the tensor's storage in the arena (256-aligned)"
+    )
+    nbytes: int
+    dtype: WireDType
+    shape: list[int]
+    stride: list[int] = Field(description="in elements, from the storage start")
+    checksum: str = Field(description="xxh3-64 of the storage bytes, hex")
+
+
+class Manifest(BaseModel):
+    """What one TP rank of one model holds, and where."""
+
+    model_config = _FROZEN
+
+    model: str
+    tp_rank: int
+    tp_size: int
+    daemon: DaemonIdentity
+    device: DeviceIdentity
+    checkpoint: CheckpointIdentity
+    tensors: list[TensorEntry]
+    layers: list[LayerLayout]
+    arenas: list[ArenaDescriptor] = Field(description="exported afresh for every lease")

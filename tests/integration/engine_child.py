@@ -1,0 +1,73 @@
+"""A second process playing the engine for the integration tests (run as a script).
+
+``read``: lease, map the arena through its shared-memory handle, print every tensor's checksum
+and dtype/shape/stride as JSON. ``write``: lease, map, and try to write into the arena (the
+process must die from the protection fault). ``hold``: lease and sleep (to be killed).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from service.dtypes import to_torch
+from service.memory.checksum import storage_checksum
+from service.memory.shm import map_read_only
+from service.schemas.leases import LeaseGrant
+
+
+def lease(url: str, model: str, ttl: float = 60.0) -> LeaseGrant:
+    import os
+
+    r = httpx.post(
+        f"{url}/v1/leases",
+        json={
+            "model": model,
+            "tp_rank": 0,
+            "tp_size": 1,
+            "kernel": "cutlass",
+            "format": "default",
+            "client_pid": os.getpid(),
+            "ttl_s": ttl,
+        },
+    )
+    r.raise_for_status()
+    return LeaseGrant.model_validate_json(r.content)
+
+
+def main() -> None:
+    mode, url, model = sys.argv[1:4]
+    grant = lease(url, model)
+    handle = grant.manifest.arenas[0].handle
+    assert handle.kind == "shm"
+    if mode == "hold":
+        print(json.dumps({"lease": grant.lease.id}), flush=True)
+        time.sleep(600)
+    base, _mapping = map_read_only(Path(handle.path), handle.size)
+    if mode == "write":
+        print("writing", flush=True)
+        base[0] = 1  # PROT_READ mapping: this faults
+        print("wrote", flush=True)
+        return
+    out = {}
+    for t in grant.manifest.tensors:
+        storage = base[t.offset : t.offset + t.nbytes]
+        view = storage.view(to_torch(t.dtype)).as_strided(t.shape, t.stride)
+        out[t.name] = {
+            "checksum": storage_checksum(storage),
+            "dtype": str(view.dtype).removeprefix("torch."),
+            "shape": list(view.shape),
+            "stride": list(view.stride()),
+            "data_ptr_offset": view.data_ptr() - base.data_ptr(),
+        }
+    print(json.dumps({"lease": grant.lease.id, "tensors": out}), flush=True)
+    assert torch.uint8 == base.dtype
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""A real daemon process and a real second process: bytes through shared memory, read-only
+mappings, reaping a SIGKILLed client, clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from service.checkpoint import Checkpoint
+from service.memory.checksum import storage_checksum
+from service.processing import load_processed, plan_model
+from tests.integration.conftest import DaemonProcess, start_daemon
+
+CHILD = [sys.executable, "-m", "tests.integration.engine_child"]
+
+
+def test_second_process_reads_the_processed_bytes(
+    daemon_process: DaemonProcess, tiny_fp8: Path
+) -> None:
+    out = subprocess.run(
+        [*CHILD, "read", daemon_process.url, "tiny"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    seen = json.loads(out.stdout)["tensors"]
+    with Checkpoint.open(tiny_fp8) as ckpt:
+        plan = plan_model(ckpt)
+        expected = load_processed(ckpt, plan)
+    specs = {s.name: s for s in plan.specs}
+    assert set(seen) == set(expected)
+    for name, tensor in expected.items():
+        got = seen[name]
+        assert got["dtype"] == str(tensor.dtype).removeprefix("torch.")
+        assert got["shape"] == list(tensor.shape) and got["stride"] == list(tensor.stride())
+        assert got["data_ptr_offset"] % 256 == 0
+        assert got["checksum"] == storage_checksum(specs[name].storage_of(tensor)), name
+
+
+def test_second_process_cannot_write(daemon_process: DaemonProcess) -> None:
+    before = httpx.get(f"{daemon_process.url}/v1/inventory").json()
+    out = subprocess.run(
+        [*CHILD, "write", daemon_process.url, "tiny"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == -signal.SIGSEGV, out
+    assert "writing" in out.stdout and "wrote" not in out.stdout
+    # the daemon's bytes are intact: a fresh reader sees the same checksums as before
+    first = subprocess.run(
+        [*CHILD, "read", daemon_process.url, "tiny"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    with Checkpoint.open(Path(before["models"][0]["path"])) as ckpt:
+        plan = plan_model(ckpt)
+        w = load_processed(ckpt, plan)[name]
+    spec = next(s for s in plan.specs if s.name == name)
+    assert json.loads(first.stdout)["tensors"][name]["checksum"] == storage_checksum(
+        spec.storage_of(w)
+    )
+
+
+def test_sigkilled_engine_is_reaped_and_model_stays(daemon_process: DaemonProcess) -> None:
+    child = subprocess.Popen(
+        [*CHILD, "hold", daemon_process.url, "tiny"], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None
+    lease_id = json.loads(child.stdout.readline())["lease"]
+    url = daemon_process.url
+    assert [x["id"] for x in httpx.get(f"{url}/v1/leases").json()] == [lease_id]
+    files = sorted(daemon_process.shm_dir.iterdir())
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{url}/v1/leases").json() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(f"{url}/v1/leases").json() == []
+    assert httpx.get(f"{url}/v1/leases/{lease_id}").json()["reason"] == "reaped"
+    assert httpx.get(f"{url}/v1/models/tiny").json()["state"] == "ready"
+    assert sorted(daemon_process.shm_dir.iterdir()) == files  # nothing leaked, nothing lost
+    assert (
+        httpx.post(
+            f"{url}/v1/leases",
+            json={
+                "model": "tiny",
+                "tp_rank": 0,
+                "tp_size": 1,
+                "kernel": "cutlass",
+                "format": "default",
+                "client_pid": 1,
+            },
+        ).status_code
+        == 201
+    )
+
+
+def test_shutdown_removes_arenas(tmp_path: Path, tiny_fp8: Path) -> None:
+    daemon = start_daemon(tmp_path, [tiny_fp8])
+    assert len(list(daemon.shm_dir.iterdir())) == 1
+    daemon.stop(signal.SIGTERM)
+    # uvicorn shuts down cleanly, then re-raises the signal it caught
+    assert daemon.process.returncode in (0, -signal.SIGTERM)
+    assert "Application shutdown complete" in daemon.log.read_text()
+    assert list(daemon.shm_dir.iterdir()) == []
+
+
+def test_serves_on_a_unix_socket(tmp_path: Path, tiny_fp8: Path) -> None:
+    sock = tmp_path / "wc.sock"
+    daemon = start_daemon(tmp_path, [tiny_fp8], uds=sock)
+    try:
+        with httpx.Client(
+            transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://weight-cache"
+        ) as client:
+            assert client.get("/v1/models").json()[0]["state"] == "ready"
+    finally:
+        daemon.stop()

@@ -1,0 +1,101 @@
+"""An in-process daemon (the real app and lifespan through Starlette's TestClient) serving the
+tiny demo checkpoints from a private shared-memory directory."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.api.app import create_app
+from service.daemon import Daemon
+from service.settings import DaemonSettings
+
+
+@dataclass
+class Served:
+    client: TestClient
+    daemon: Daemon
+    shm_dir: Path
+
+    def wait_ready(self, model: str, timeout: float = 30.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            body: dict[str, Any] = self.client.get(f"/v1/models/{model}").json()
+            if body.get("state") != "loading" or time.monotonic() > deadline:
+                return body
+            time.sleep(0.01)
+
+    def lease_body(self, **over: Any) -> dict[str, Any]:
+        import os
+
+        body: dict[str, Any] = {
+            "model": "tiny",
+            "tp_rank": 0,
+            "tp_size": 1,
+            "kernel": "cutlass",
+            "format": "default",
+            "client_pid": os.getpid(),
+        }
+        body.update(over)
+        return body
+
+    def snapshot(self) -> dict[str, Any]:
+        """What must not change when a request is refused."""
+        inv = self.client.get("/v1/inventory").json()
+        return {
+            "leases": sorted(x["id"] for x in self.client.get("/v1/leases").json()),
+            "models": {
+                m["id"]: (m["state"], m["bytes_resident"], m["active_leases"])
+                for m in inv["models"]
+            },
+            "cache_bytes": inv["cache_bytes"],
+            "shm_files": sorted(p.name for p in self.shm_dir.iterdir()),
+        }
+
+
+def make_settings(tmp_path: Path, models: list[Path], **over: Any) -> DaemonSettings:
+    shm = tmp_path / "shm"
+    shm.mkdir(exist_ok=True)
+    values: dict[str, Any] = {
+        "models": models,
+        "model_id": "tiny",
+        "device": "cpu",
+        "shm_dir": shm,
+        "cache_dir": tmp_path / "cache",
+        "reaper_interval_s": 0.05,
+    }
+    values.update(over)
+    return DaemonSettings(**values)
+
+
+@pytest.fixture
+def serve(tmp_path: Path, tiny_fp8: Path, demo_root: Path):
+    """Start a daemon with settings overrides; yields a factory so tests can configure it."""
+    stack: list[TestClient] = []
+
+    def start(models: list[Path] | None = None, wait: bool = True, **over: Any) -> Served:
+        over.setdefault("allowed_roots", [demo_root, tmp_path])
+        settings = make_settings(tmp_path, [tiny_fp8] if models is None else models, **over)
+        app = create_app(settings)
+        client = TestClient(app, raise_server_exceptions=False)
+        client.__enter__()
+        stack.append(client)
+        served = Served(client, app.state.daemon, settings.shm_dir)
+        if settings.models and wait:
+            served.wait_ready(settings.model_id or "tiny")
+        return served
+
+    yield start
+    for client in reversed(stack):
+        client.__exit__(None, None, None)
+
+
+@pytest.fixture
+def served(serve) -> Iterator[Served]:
+    yield serve()

@@ -1,0 +1,204 @@
+"""Lease contract: grant, manifest, renew, release, expiry, reaping, and every refusal leaving
+nothing changed."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from service.checkpoint import Checkpoint
+from service.memory.shm import map_read_only
+from service.processing import load_processed, plan_model
+from service.schemas.leases import LeaseGrant
+from tests.service.api.conftest import Served
+
+
+def test_grant_returns_a_complete_manifest(served: Served, tiny_fp8: Path) -> None:
+    r = served.client.post("/v1/leases", json=served.lease_body(ttl_s=30))
+    assert r.status_code == 201, r.text
+    grant = LeaseGrant.model_validate(r.json())
+    assert r.headers["location"] == f"/v1/leases/{grant.lease.id}"
+    m = grant.manifest
+    assert (m.model, m.tp_rank, m.tp_size) == ("tiny", 0, 1)
+    assert m.daemon.boot_id == grant.lease.boot_id == served.daemon.boot_id
+    assert m.daemon.protocol_version == 1
+    assert m.device.kind.value == "cpu" and m.device.uuid and m.device.uuid.startswith("host-")
+    assert m.checkpoint.quant_algo == "FP8" and m.checkpoint.fingerprint.startswith("sha256:")
+    assert len(m.layers) == 8 and {la.kernel.value for la in m.layers} == {"cutlass"}
+    assert all(t.offset % 256 == 0 for t in m.tensors)
+    (arena,) = m.arenas
+    assert arena.handle.kind == "shm" and Path(arena.handle.path).parent == served.shm_dir
+    assert grant.lease.pid_watched and grant.lease.ttl_s == 30
+    assert served.client.get(f"/v1/leases/{grant.lease.id}").json()["id"] == grant.lease.id
+    assert [x["id"] for x in served.client.get("/v1/leases").json()] == [grant.lease.id]
+
+
+def test_leased_bytes_equal_an_ordinary_load(served: Served, tiny_fp8: Path) -> None:
+    grant = LeaseGrant.model_validate(
+        served.client.post("/v1/leases", json=served.lease_body()).json()
+    )
+    handle = grant.manifest.arenas[0].handle
+    assert handle.kind == "shm"
+    base, mapping = map_read_only(Path(handle.path), handle.size)
+    with Checkpoint.open(tiny_fp8) as ckpt:
+        expected = load_processed(ckpt, plan_model(ckpt))
+    from service.dtypes import to_torch
+
+    for entry in grant.manifest.tensors:
+        raw = base[entry.offset : entry.offset + entry.nbytes].view(to_torch(entry.dtype))
+        got = raw.as_strided(entry.shape, entry.stride)
+        want = expected[entry.name]
+        assert got.shape == want.shape and got.stride() == want.stride(), entry.name
+        assert got.dtype == want.dtype
+        assert (
+            got.reshape(-1).view(__import__("torch").uint8).tolist()
+            == want.reshape(-1).view(__import__("torch").uint8).tolist()
+        ), entry.name
+    del base
+    mapping.close()
+
+
+def test_each_grant_gets_its_own_lease(served: Served) -> None:
+    a = served.client.post("/v1/leases", json=served.lease_body()).json()
+    b = served.client.post("/v1/leases", json=served.lease_body()).json()
+    assert a["lease"]["id"] != b["lease"]["id"]
+    assert served.client.get("/v1/models/tiny").json()["active_leases"] == 2
+
+
+def test_renew_and_release(served: Served) -> None:
+    lease = served.client.post("/v1/leases", json=served.lease_body(ttl_s=5)).json()["lease"]
+    time.sleep(0.05)
+    renewed = served.client.post(f"/v1/leases/{lease['id']}/renew", json={"ttl_s": 20}).json()
+    assert renewed["renewals"] == 1 and renewed["ttl_s"] == 20
+    assert renewed["expires_at"] > lease["expires_at"]
+    again = served.client.post(f"/v1/leases/{lease['id']}/renew").json()
+    assert again["renewals"] == 2 and again["ttl_s"] == 20
+    assert served.client.delete(f"/v1/leases/{lease['id']}").status_code == 204
+    for method in ("get", "delete"):
+        r = served.client.request(method.upper(), f"/v1/leases/{lease['id']}")
+        assert r.status_code == 404 and r.json()["code"] == "lease_not_found"
+    assert served.client.get("/v1/leases").json() == []
+
+
+def test_leases_expire(served: Served) -> None:
+    lease = served.client.post("/v1/leases", json=served.lease_body(ttl_s=0.2)).json()["lease"]
+    deadline = time.monotonic() + 5
+    while served.client.get("/v1/leases").json() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert served.client.get("/v1/leases").json() == []
+    r = served.client.post(f"/v1/leases/{lease['id']}/renew")
+    assert r.status_code == 410 and r.json()["code"] == "lease_expired"
+    assert r.json()["reason"] == "expired"
+    assert "weight_cache_leases_expired_total 1.0" in served.client.get("/metrics").text
+
+
+def test_dead_client_is_reaped(served: Served) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lease = served.client.post(
+            "/v1/leases", json=served.lease_body(client_pid=child.pid, ttl_s=600)
+        ).json()["lease"]
+        assert lease["pid_watched"]
+        time.sleep(0.2)
+        assert len(served.client.get("/v1/leases").json()) == 1  # alive: kept
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        deadline = time.monotonic() + 5
+        while served.client.get("/v1/leases").json() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert served.client.get("/v1/leases").json() == []
+        r = served.client.get(f"/v1/leases/{lease['id']}")
+        assert r.status_code == 410 and r.json()["reason"] == "reaped"
+        assert "weight_cache_leases_reaped_total 1.0" in served.client.get("/metrics").text
+        assert served.client.get("/v1/models/tiny").json()["state"] == "ready"
+    finally:
+        child.kill()
+
+
+def test_lease_from_an_earlier_daemon_run(served: Served) -> None:
+    r = served.client.post("/v1/leases/0123456789abcdef.00ff/renew")
+    assert r.status_code == 409 and r.json()["code"] == "daemon_restarted"
+
+
+@pytest.mark.parametrize(
+    ("over", "status", "code"),
+    [
+        ({"model": "nope"}, 404, "model_not_found"),
+        ({"kernel": "marlin"}, 409, "layout_mismatch"),
+        ({"format": "humming"}, 409, "layout_mismatch"),
+        ({"tp_size": 2}, 409, "layout_mismatch"),
+        ({"tp_rank": 1}, 422, "invalid_request"),
+        ({"tp_rank": -1}, 422, "invalid_request"),
+        ({"ttl_s": 7200}, 422, "invalid_request"),
+        ({"ttl_s": 1e9}, 422, "invalid_request"),
+        ({"ttl_s": -1}, 422, "invalid_request"),
+        ({"client_pid": "me"}, 422, "invalid_request"),
+        ({"surprise": True}, 422, "invalid_request"),
+        ({"model": "../../etc"}, 404, "model_not_found"),
+    ],
+)
+def test_refusals_change_nothing(served: Served, over: dict, status: int, code: str) -> None:
+    held = served.client.post("/v1/leases", json=served.lease_body()).json()["lease"]["id"]
+    before = served.snapshot()
+    r = served.client.post("/v1/leases", json=served.lease_body(**over))
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/problem+json")
+    assert r.json()["code"] == code
+    assert served.snapshot() == before
+    assert held in served.snapshot()["leases"]
+
+
+def test_layout_mismatch_names_the_fields(served: Served) -> None:
+    r = served.client.post("/v1/leases", json=served.lease_body(kernel="marlin", tp_size=2))
+    assert r.json()["mismatches"] == {
+        "kernel": {"requested": "marlin", "served": "cutlass"},
+        "tp_size": {"requested": 2, "served": 1},
+    }
+
+
+def test_malformed_bodies(served: Served) -> None:
+    before = served.snapshot()
+    for body in (b"{", b"[]", b"null", b'{"model": 3}'):
+        r = served.client.post(
+            "/v1/leases", content=body, headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 422 and r.json()["code"] == "invalid_request", body
+    assert served.snapshot() == before
+
+
+def test_lease_while_loading_says_retry_later(serve, tiny_fp8: Path, monkeypatch) -> None:
+    gate = threading.Event()
+    from service.processing import execute_plan as real
+
+    def slow(*args, **kwargs):  # hold the load open until the test has asked
+        gate.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("service.registry.loader.execute_plan", slow)
+    served = serve(wait=False)
+    try:
+        r = served.client.post("/v1/leases", json=served.lease_body())
+        assert r.status_code == 503 and r.json()["code"] == "model_loading"
+        assert int(r.headers["retry-after"]) >= 1
+        assert served.client.get("/v1/leases").json() == []
+        ready = served.client.get("/ready")
+        assert ready.status_code == 503 and ready.json()["waiting"] == ["tiny"]
+    finally:
+        gate.set()
+    assert served.wait_ready("tiny")["state"] == "ready"
+    assert served.client.post("/v1/leases", json=served.lease_body()).status_code == 201
+
+
+def test_lease_on_a_failed_model(serve, tiny_fp8: Path, copy_of) -> None:
+    broken = copy_of(tiny_fp8)
+    (broken / "model.safetensors").write_bytes(b"\0" * 64)
+    served = serve(models=[broken])
+    r = served.client.post("/v1/leases", json=served.lease_body())
+    assert r.status_code == 409 and r.json()["code"] == "model_failed"
+    assert r.json()["reason"] == "corrupt_safetensors"

@@ -1,0 +1,69 @@
+"""Lease table rules: expiry, renewal, PID reaping with PID-reuse protection, ended leases."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from service.errors import DaemonRestartedError, LeaseExpiredError, LeaseNotFoundError
+from service.registry.leases import LeaseEnd, LeaseTable
+
+
+def test_expiry_and_renewal() -> None:
+    table = LeaseTable("b00t")
+    lease = table.add("m", 0, 1, os.getpid(), ttl_s=10, now=100.0)
+    assert lease.id.startswith("b00t.") and lease.pid_start is not None
+    assert table.sweep(105.0) == []
+    table.renew(lease.id, None, now=105.0)
+    assert lease.expires_at == 115.0 and lease.renewals == 1
+    assert [(x.id, how) for x, how in table.sweep(115.5)] == [(lease.id, LeaseEnd.expired)]
+    with pytest.raises(LeaseExpiredError):
+        table.get(lease.id, now=116.0)
+
+
+def test_renew_past_expiry_before_the_sweep_is_refused() -> None:
+    table = LeaseTable("b00t")
+    lease = table.add("m", 0, 1, os.getpid(), ttl_s=1, now=0.0)
+    with pytest.raises(LeaseExpiredError):
+        table.renew(lease.id, None, now=2.0)
+    assert table.count() == 0
+
+
+def test_reused_pid_does_not_keep_a_lease_alive() -> None:
+    table = LeaseTable("b00t")
+    lease = table.add("m", 0, 1, os.getpid(), ttl_s=100, now=0.0)
+    assert lease.pid_start is not None
+    lease.pid_start -= 1  # as if this PID now belonged to a younger process
+    assert [how for _, how in table.sweep(1.0)] == [LeaseEnd.reaped]
+
+
+def test_zombie_client_is_reaped() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    table = LeaseTable("b00t")
+    table.add("m", 0, 1, child.pid, ttl_s=100, now=0.0)
+    # Wait for the exit without reaping it: the child stays a zombie, and kill(pid, 0) works.
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+    os.kill(child.pid, 0)
+    assert [how for _, how in table.sweep(1.0)] == [LeaseEnd.reaped]
+    child.wait()
+
+
+def test_invisible_pid_relies_on_the_ttl() -> None:
+    table = LeaseTable("b00t")
+    lease = table.add("m", 0, 1, 2**31 - 2, ttl_s=10, now=0.0)
+    assert lease.pid_start is None  # not watched: no reaping by PID
+    assert table.sweep(5.0) == []
+    assert [how for _, how in table.sweep(11.0)] == [LeaseEnd.expired]
+
+
+def test_unknown_released_and_foreign_leases() -> None:
+    table = LeaseTable("b00t")
+    lease = table.add("m", 0, 1, os.getpid(), ttl_s=10, now=0.0)
+    table.end(lease.id, LeaseEnd.released)
+    with pytest.raises(LeaseNotFoundError):
+        table.get(lease.id, now=1.0)
+    with pytest.raises(DaemonRestartedError):
+        table.get("other.1234", now=1.0)
