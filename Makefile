@@ -9,11 +9,12 @@ STAMP := $(VENV)/.installed
 # vLLM 0.33 (about 10 GB) lives outside the clone and is reused across runs and clones.
 VLLM_VENV ?= $(HOME)/.cache/weight-cache/vllm-0.33.0
 
-.PHONY: help run test lint format openapi bench clean vllm-venv
+.PHONY: help run test test-vllm lint format openapi bench clean
 
 help:
 	@echo "make run     create .venv, install, start the daemon on the built-in demo model"
 	@echo "make test    create .venv, install test extras, run ruff, mypy and the whole suite"
+	@echo "             (vLLM tests run in $(VLLM_VENV), created on first use)"
 	@echo "make lint    ruff and mypy only"
 	@echo "make openapi regenerate openapi.json from the app"
 	@echo "make bench   run the benchmarks in bench/"
@@ -41,6 +42,21 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest
+	$(MAKE) test-vllm
+
+# The loader plugin against the real vLLM 0.33, in its own environment (created once, reused).
+$(VLLM_VENV)/bin/python:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q "vllm==0.33.0"
+
+$(VLLM_VENV)/.weight-cache-deps: $(VLLM_VENV)/bin/python pyproject.toml constraints.txt
+	$(VLLM_VENV)/bin/pip install -q -c constraints.txt -e ".[test]"
+	@touch $@
+
+test-vllm: $(VLLM_VENV)/.weight-cache-deps
+	@# Point the shared environment at this checkout (its entry point included).
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest tests/vllm
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format service engine_client tests bench

@@ -6,6 +6,7 @@ import logging
 
 import click
 
+from engine_client.cli import attach_command
 from service.cli.demo import demo_checkpoint
 from service.cli.openapi import openapi
 from service.cli.serve import serve
@@ -27,9 +28,10 @@ def cli(log_level: str) -> None:
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
 
 
-for command in (serve, status, openapi, demo_checkpoint):
+for command in (serve, status, attach_command, openapi, demo_checkpoint):
     cli.add_command(command)
 
 

@@ -15,7 +15,7 @@ import httpx
 from service.checkpoint import Checkpoint
 from service.memory.checksum import storage_checksum
 from service.processing import load_processed, plan_model
-from tests.integration.conftest import DaemonProcess, start_daemon
+from tests.daemon_process import DaemonProcess, start_daemon
 
 CHILD = [sys.executable, "-m", "tests.integration.engine_child"]
 

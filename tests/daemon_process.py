@@ -1,4 +1,5 @@
-"""A real daemon: ``weight-cache serve`` under uvicorn in a subprocess on a free loopback port."""
+"""A real daemon for tests: ``weight-cache serve`` under uvicorn in a subprocess on a free
+loopback port."""
 
 from __future__ import annotations
 
@@ -8,12 +9,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import pytest
 
 
 def free_port() -> int:
@@ -97,10 +96,3 @@ def start_daemon(
             daemon.stop(signal.SIGKILL)
             raise RuntimeError(f"daemon not ready: {log.read_text()}")
         time.sleep(0.1)
-
-
-@pytest.fixture
-def daemon_process(tmp_path: Path, tiny_fp8: Path) -> Iterator[DaemonProcess]:
-    daemon = start_daemon(tmp_path, [tiny_fp8], "--model-id", "tiny")
-    yield daemon
-    daemon.stop()

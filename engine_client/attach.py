@@ -1,0 +1,218 @@
+"""Attaching to leased weights: lease, verify, open the arena once, rebuild every tensor as a
+zero-copy view with the manifest's exact dtype, shape and stride, and keep the lease alive until
+the attachment is closed (or the process exits)."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine_client.arenas import OpenedArena, open_arena
+from engine_client.client import ClientConfig, DaemonClient
+from engine_client.fp8_linear import Fp8LinearWeights
+from engine_client.verify import Expectations, Reason, verify_checksums, verify_manifest
+from service.dtypes import to_torch
+from service.errors import VerificationError, WeightCacheError
+from service.schemas.layout import LayerLayout
+from service.schemas.leases import LeaseGrant
+from service.schemas.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AttachTimings:
+    lease_ms: float = 0.0  # request sent to manifest parsed
+    verify_ms: float = 0.0
+    open_ms: float = 0.0  # IPC open or mmap
+    rebuild_ms: float = 0.0
+    checksum_ms: float = 0.0
+
+    @property
+    def attach_ms(self) -> float:
+        return self.lease_ms + self.verify_ms + self.open_ms + self.rebuild_ms + self.checksum_ms
+
+
+class LeaseKeeper(threading.Thread):
+    """Renews a lease every third of its TTL; reports the first failure to ``on_lost``."""
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        lease_id: str,
+        ttl_s: float,
+        on_lost: Callable[[WeightCacheError], None],
+    ) -> None:
+        super().__init__(name=f"lease-{lease_id[-8:]}", daemon=True)
+        self.config = config
+        self.lease_id = lease_id
+        self.interval = max(0.05, ttl_s / 3)
+        self.on_lost = on_lost
+        self.stopped = threading.Event()
+        self.error: WeightCacheError | None = None
+        self.renewals = 0
+
+    def run(self) -> None:
+        with DaemonClient(self.config) as client:
+            while not self.stopped.wait(self.interval):
+                try:
+                    client.renew(self.lease_id)
+                    self.renewals += 1
+                except WeightCacheError as exc:
+                    self.error = exc
+                    log.error("lease %s lost: %s", self.lease_id, exc)
+                    self.on_lost(exc)
+                    return
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+def _rebuild(
+    manifest: Manifest, base: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(views, storages) for every tensor of the manifest, all pointing into ``base``."""
+    views, storages = {}, {}
+    for t in manifest.tensors:
+        storage = base[t.offset : t.offset + t.nbytes].view(to_torch(t.dtype))
+        storages[t.name] = storage
+        views[t.name] = storage.as_strided(t.shape, t.stride)
+    return views, storages
+
+
+@dataclass
+class Attachment:
+    """Leased, verified, zero-copy tensors. Close it (or leave the ``with`` block) to release."""
+
+    config: ClientConfig
+    grant: LeaseGrant
+    tensors: dict[str, torch.Tensor]
+    storages: dict[str, torch.Tensor]
+    arena: OpenedArena
+    timings: AttachTimings
+    keeper: LeaseKeeper | None = None
+    lost: WeightCacheError | None = None
+    on_lost: list[Callable[[WeightCacheError], None]] = field(default_factory=list)
+    closed: bool = False
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.grant.manifest
+
+    @property
+    def lease_id(self) -> str:
+        return self.grant.lease.id
+
+    @property
+    def layers(self) -> list[LayerLayout]:
+        return self.manifest.layers
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.manifest.tensors)
+
+    def layer(self, name: str) -> Fp8LinearWeights:
+        layout = next(la for la in self.layers if la.name == name)
+        return Fp8LinearWeights.from_tensors(layout, self.tensors)
+
+    def zero_copy(self) -> bool:
+        """Whether every tensor points into the mapped arena at its manifest offset."""
+        base = self.arena.base.data_ptr()
+        return all(
+            self.tensors[t.name].data_ptr() == base + t.offset
+            and self.tensors[t.name].untyped_storage().data_ptr()
+            == self.arena.base.untyped_storage().data_ptr()
+            for t in self.manifest.tensors
+        )
+
+    def _lost(self, error: WeightCacheError) -> None:
+        self.lost = error
+        for callback in self.on_lost:
+            callback(error)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.keeper is not None:
+            self.keeper.stop()
+        if self.lost is None:
+            try:
+                with DaemonClient(self.config) as client:
+                    client.release(self.lease_id)
+            except WeightCacheError as exc:
+                log.warning("releasing lease %s: %s", self.lease_id, exc)
+        self.tensors.clear()
+        self.storages.clear()
+        self.arena.close()
+
+    def __enter__(self) -> Attachment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _close_at_exit(ref: weakref.ReferenceType[Attachment]) -> None:
+    attachment = ref()
+    if attachment is not None:
+        attachment.close()
+
+
+def attach(
+    model: str,
+    expect: Expectations,
+    *,
+    config: ClientConfig | None = None,
+    ttl_s: float | None = None,
+    keep_alive: bool = True,
+) -> Attachment:
+    """Lease ``model`` for ``expect``'s rank and return its tensors, verified and zero-copy."""
+    config = config or ClientConfig.from_env()
+    timings = AttachTimings()
+    with DaemonClient(config) as client:
+        start = time.perf_counter()
+        grant = client.lease(
+            model, expect.tp_rank, expect.tp_size, expect.kernel, expect.format, ttl_s=ttl_s
+        )
+        timings.lease_ms = (time.perf_counter() - start) * 1e3
+        arena: OpenedArena | None = None
+        try:
+            start = time.perf_counter()
+            verify_manifest(grant.manifest, expect)
+            timings.verify_ms = (time.perf_counter() - start) * 1e3
+            start = time.perf_counter()
+            arena = open_arena(grant.manifest.arenas[0])
+            timings.open_ms = (time.perf_counter() - start) * 1e3
+            start = time.perf_counter()
+            tensors, storages = _rebuild(grant.manifest, arena.base)
+            timings.rebuild_ms = (time.perf_counter() - start) * 1e3
+            if expect.verify_checksums:
+                start = time.perf_counter()
+                verify_checksums(grant.manifest, storages)
+                timings.checksum_ms = (time.perf_counter() - start) * 1e3
+        except BaseException:
+            with contextlib.suppress(WeightCacheError):
+                client.release(grant.lease.id)
+            if arena is not None:
+                arena.close()
+            raise
+    attachment = Attachment(config, grant, tensors, storages, arena, timings)
+    if not attachment.zero_copy():
+        attachment.close()
+        raise VerificationError(
+            "rebuilt tensors do not alias the arena", reason=Reason.manifest_invalid.value
+        )
+    if keep_alive:
+        attachment.keeper = LeaseKeeper(config, grant.lease.id, grant.lease.ttl_s, attachment._lost)
+        attachment.keeper.start()
+    atexit.register(_close_at_exit, weakref.ref(attachment))
+    return attachment

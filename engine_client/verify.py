@@ -1,0 +1,193 @@
+"""Checks a manifest must pass before any leased tensor is used.
+
+Each failure is a :class:`~service.errors.VerificationError` whose ``reason`` says which check
+failed, so a fallback can state exactly why the engine loaded from disk instead.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from service.checkpoint import checkpoint_fingerprint
+from service.checkpoint.architecture import PACKED_MODULES
+from service.checkpoint.quant_config import FP8, FP8_PER_CHANNEL_PER_TOKEN, QuantConfig
+from service.errors import VerificationError
+from service.memory.checksum import storage_checksum
+from service.memory.devices import Placement, cuda_uuid, host_id
+from service.schemas.layout import Kernel, LayerLayout, Scheme, WeightFormat
+from service.schemas.manifest import DeviceKind, Manifest
+from service.version import PROTOCOL_VERSION
+
+
+class Reason(str, enum.Enum):
+    protocol_version = "protocol_version"
+    device_mismatch = "device_mismatch"
+    capability_mismatch = "capability_mismatch"
+    kernel_mismatch = "kernel_mismatch"
+    format_mismatch = "format_mismatch"
+    quant_algo_mismatch = "quant_algo_mismatch"
+    scheme_mismatch = "scheme_mismatch"
+    unsupported_layer = "unsupported_layer"
+    fingerprint_mismatch = "fingerprint_mismatch"
+    tp_mismatch = "tp_mismatch"
+    manifest_invalid = "manifest_invalid"
+    checksum_mismatch = "checksum_mismatch"
+
+
+@dataclass(frozen=True)
+class Expectations:
+    """What this engine would have built itself, to hold a lease against."""
+
+    device: torch.device
+    tp_rank: int = 0
+    tp_size: int = 1
+    kernel: str = Kernel.cutlass.value
+    format: str = WeightFormat.default.value
+    checkpoint: Path | None = None  # the engine's own copy, for the fingerprint
+    quant: QuantConfig | None = None  # the engine's reading of its quantization config
+    verify_checksums: bool = False
+    # Layers the engine cannot take pre-processed: names it will refuse rather than reprocess.
+    supported_schemes: frozenset[Scheme] = field(
+        default_factory=lambda: frozenset({Scheme.fp8, Scheme.fp8_pc_pt, Scheme.unquantized})
+    )
+
+
+def _fail(reason: Reason, detail: str, **extra: object) -> VerificationError:
+    return VerificationError(detail, reason=reason.value, **extra)
+
+
+def _check_device(manifest: Manifest, device: torch.device) -> None:
+    leased = manifest.device
+    if device.type == "cuda":
+        if leased.kind is not DeviceKind.cuda:
+            raise _fail(Reason.device_mismatch, f"lease is on {leased.kind.value}, engine on cuda")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        mine = cuda_uuid(index)
+        if leased.uuid != mine:
+            raise _fail(
+                Reason.device_mismatch,
+                f"lease is on GPU {leased.uuid}, engine on {mine}",
+                leased=leased.uuid,
+                engine=mine,
+            )
+        props = torch.cuda.get_device_properties(index)
+        capability = f"{props.major}.{props.minor}"
+        if leased.compute_capability != capability:
+            raise _fail(
+                Reason.capability_mismatch,
+                f"lease processed for sm {leased.compute_capability}, engine is {capability}",
+            )
+    else:
+        if leased.kind is not DeviceKind.cpu:
+            raise _fail(Reason.device_mismatch, f"lease is on {leased.kind.value}, engine on cpu")
+        if leased.uuid != host_id():
+            raise _fail(
+                Reason.device_mismatch,
+                "lease is in another host's shared memory",
+                leased=leased.uuid,
+                engine=host_id(),
+            )
+
+
+def expected_scheme(layer: LayerLayout, quant: QuantConfig) -> Scheme:
+    if quant.is_excluded(layer.name, dict(PACKED_MODULES)):
+        return Scheme.unquantized
+    return {FP8: Scheme.fp8, FP8_PER_CHANNEL_PER_TOKEN: Scheme.fp8_pc_pt}[quant.quant_algo]
+
+
+def _check_layers(manifest: Manifest, expect: Expectations) -> None:
+    for layer in manifest.layers:
+        if layer.scheme not in expect.supported_schemes:
+            raise _fail(
+                Reason.unsupported_layer,
+                f"{layer.name} is {layer.scheme.value}, which this engine cannot take "
+                "pre-processed",
+                layer=layer.name,
+            )
+        if layer.scheme is not Scheme.unquantized:
+            if layer.kernel.value != expect.kernel:
+                raise _fail(
+                    Reason.kernel_mismatch,
+                    f"{layer.name} was processed for {layer.kernel.value}, the engine "
+                    f"selected {expect.kernel}",
+                    layer=layer.name,
+                )
+            if layer.format.value != expect.format:
+                raise _fail(
+                    Reason.format_mismatch,
+                    f"{layer.name} is in format {layer.format.value}, the engine expects "
+                    f"{expect.format}",
+                    layer=layer.name,
+                )
+            if layer.processed_weight_dims != (0, 1):
+                raise _fail(Reason.manifest_invalid, f"{layer.name} has no [K, N] weight view")
+        if expect.quant is not None and layer.scheme is not expected_scheme(layer, expect.quant):
+            raise _fail(
+                Reason.scheme_mismatch,
+                f"{layer.name} is {layer.scheme.value} in the lease but "
+                f"{expected_scheme(layer, expect.quant).value} for this engine",
+                layer=layer.name,
+            )
+
+
+def verify_manifest(manifest: Manifest, expect: Expectations) -> None:
+    """Everything that can be checked before the arena is opened."""
+    if manifest.daemon.protocol_version != PROTOCOL_VERSION:
+        raise _fail(
+            Reason.protocol_version,
+            f"daemon speaks protocol {manifest.daemon.protocol_version}, this engine "
+            f"{PROTOCOL_VERSION}",
+        )
+    if (manifest.tp_rank, manifest.tp_size) != (expect.tp_rank, expect.tp_size):
+        raise _fail(
+            Reason.tp_mismatch,
+            f"lease is rank {manifest.tp_rank}/{manifest.tp_size}, engine is "
+            f"{expect.tp_rank}/{expect.tp_size}",
+        )
+    _check_device(manifest, expect.device)
+    if expect.quant is not None and manifest.checkpoint.quant_algo != expect.quant.quant_algo:
+        raise _fail(
+            Reason.quant_algo_mismatch,
+            f"lease is {manifest.checkpoint.quant_algo}, engine expects {expect.quant.quant_algo}",
+        )
+    _check_layers(manifest, expect)
+    if expect.checkpoint is not None:
+        mine = checkpoint_fingerprint(expect.checkpoint)
+        if mine != manifest.checkpoint.fingerprint:
+            raise _fail(
+                Reason.fingerprint_mismatch,
+                f"lease is of checkpoint {manifest.checkpoint.fingerprint}, the engine's "
+                f"{expect.checkpoint} is {mine}",
+                engine=mine,
+                leased=manifest.checkpoint.fingerprint,
+            )
+    arena_sizes = {a.index: a.nbytes for a in manifest.arenas}
+    for t in manifest.tensors:
+        size = arena_sizes.get(t.arena)
+        if size is None or t.offset < 0 or t.offset + t.nbytes > size:
+            raise _fail(Reason.manifest_invalid, f"{t.name} lies outside its arena", tensor=t.name)
+
+
+def verify_checksums(manifest: Manifest, storages: dict[str, torch.Tensor]) -> None:
+    """Recompute every tensor's checksum over the mapped bytes (a full read of the arena)."""
+    for t in manifest.tensors:
+        got = storage_checksum(storages[t.name])
+        if got != t.checksum:
+            raise _fail(
+                Reason.checksum_mismatch,
+                f"{t.name} does not match its checksum",
+                tensor=t.name,
+                expected=t.checksum,
+                got=got,
+            )
+
+
+def engine_placement(device: torch.device) -> Placement:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return Placement(DeviceKind.cuda, index)
+    return Placement(DeviceKind.cpu)

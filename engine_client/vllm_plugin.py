@@ -1,0 +1,21 @@
+"""The ``vllm.general_plugins`` entry point: registers the ``weight_cache`` load format.
+
+vLLM calls :func:`register` with no arguments once in every process that may build a loader.
+It must never raise (vLLM would only log it), so a vLLM without the needed API is reported and
+skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def register() -> None:
+    try:
+        from engine_client.vllm_loader import _register
+
+        _register()
+    except ImportError as exc:
+        log.warning("weight-cache: vLLM loader not registered: %s", exc)

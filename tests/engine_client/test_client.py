@@ -1,0 +1,121 @@
+"""The HTTP client: typed errors from problem documents, Unix sockets, tokens, and retries only
+where repeating a request is safe (checked against a real flaky server)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from engine_client.client import AsyncDaemonClient, ClientConfig, DaemonClient
+from service.errors import (
+    DaemonUnavailableError,
+    LayoutMismatchError,
+    ModelNotFoundError,
+    UnauthorizedError,
+)
+from tests.daemon_process import free_port, start_daemon
+
+
+class FlakyServer(threading.Thread):
+    """Drops the first ``drops`` connections, then answers /health like the daemon."""
+
+    BODY = b'{"status":"ok","boot_id":"b","version":"0","protocol_version":1,"uptime_s":1.0}'
+
+    def __init__(self, drops: int) -> None:
+        super().__init__(daemon=True)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.drops = drops
+        self.connections = 0
+
+    def run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                conn.recv(65536)
+                if self.connections <= self.drops:
+                    continue  # close without answering
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    b"content-length: "
+                    + str(len(self.BODY)).encode()
+                    + b"\r\nconnection: close\r\n\r\n"
+                    + self.BODY
+                )
+
+
+def test_idempotent_reads_are_retried() -> None:
+    server = FlakyServer(drops=2)
+    server.start()
+    config = ClientConfig(url=f"http://127.0.0.1:{server.port}", retries=2, retry_backoff_s=0.01)
+    with DaemonClient(config) as client:
+        assert client.health().status == "ok"
+    assert server.connections == 3
+    server.sock.close()
+
+
+def test_a_lease_grant_is_never_retried() -> None:
+    server = FlakyServer(drops=5)
+    server.start()
+    config = ClientConfig(url=f"http://127.0.0.1:{server.port}", retries=3, retry_backoff_s=0.01)
+    with DaemonClient(config) as client, pytest.raises(DaemonUnavailableError):
+        client.lease("tiny")
+    assert server.connections == 1
+    server.sock.close()
+
+
+def test_unreachable_daemon() -> None:
+    config = ClientConfig(url=f"http://127.0.0.1:{free_port()}", retries=1, retry_backoff_s=0.01)
+    with (
+        DaemonClient(config) as client,
+        pytest.raises(DaemonUnavailableError, match="cannot reach"),
+    ):
+        client.health()
+
+
+def test_typed_errors_and_unix_socket_with_token(tmp_path: Path, tiny_fp8: Path) -> None:
+    sock, token = tmp_path / "d.sock", tmp_path / "token"
+    token.write_text("tok-123\n")
+    daemon = start_daemon(
+        tmp_path, [tiny_fp8], "--model-id", "tiny", "--token-file", str(token), uds=sock
+    )
+    try:
+        good = ClientConfig(uds=str(sock), token="tok-123")
+        with DaemonClient(good) as client:
+            assert client.inventory().models[0].id == "tiny"
+            with pytest.raises(ModelNotFoundError):
+                client.lease("ghost")
+            with pytest.raises(LayoutMismatchError) as err:
+                client.lease("tiny", kernel="marlin")
+            assert err.value.extra["mismatches"]["kernel"]["served"] == "cutlass"
+            grant = client.lease("tiny", ttl_s=5)
+            assert client.renew(grant.lease.id).renewals == 1
+            client.release(grant.lease.id)
+            assert client.leases() == []
+        with (
+            DaemonClient(ClientConfig(uds=str(sock), token="wrong")) as client,
+            pytest.raises(UnauthorizedError),
+        ):
+            client.inventory()
+    finally:
+        daemon.stop()
+
+
+async def test_async_client(daemon_process) -> None:
+    async with AsyncDaemonClient(ClientConfig(url=daemon_process.url)) as client:
+        assert (await client.health()).status == "ok"
+        grant = await client.lease("tiny", ttl_s=5)
+        assert (await client.renew(grant.lease.id, ttl_s=9)).ttl_s == 9
+        await client.release(grant.lease.id)
+        assert (await client.inventory()).active_leases == 0
+        with pytest.raises(ModelNotFoundError):
+            await client.lease("ghost")

@@ -1,0 +1,92 @@
+"""The engine's load policy: attach when it can, otherwise load from disk with a stated,
+counted reason, or raise when fallback is off."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from engine_client.client import ClientConfig
+from engine_client.loading import FALLBACKS, load_from_disk, load_weights
+from engine_client.verify import Expectations
+from service.errors import DaemonUnavailableError
+from tests.daemon_process import free_port, start_daemon
+
+CPU = torch.device("cpu")
+
+
+def test_attaches_when_the_daemon_has_the_model(daemon_process, tiny_fp8: Path) -> None:
+    result = load_weights(
+        "tiny",
+        tiny_fp8,
+        Expectations(CPU, checkpoint=tiny_fp8),
+        config=ClientConfig(url=daemon_process.url),
+    )
+    assert result.source == "daemon" and result.reason is None
+    assert result.attachment is not None and result.attachment.zero_copy()
+    result.attachment.close()
+
+
+def test_falls_back_with_a_reason_when_no_daemon(tiny_fp8: Path, caplog) -> None:
+    before = FALLBACKS["daemon_unavailable"]
+    config = ClientConfig(url=f"http://127.0.0.1:{free_port()}", retries=0)
+    with caplog.at_level(logging.WARNING):
+        result = load_weights(
+            "tiny", tiny_fp8, Expectations(CPU, checkpoint=tiny_fp8), config=config
+        )
+    assert result.source == "disk" and result.reason == "daemon_unavailable"
+    assert FALLBACKS["daemon_unavailable"] == before + 1
+    assert "daemon_unavailable" in caplog.text
+    disk, layers = load_from_disk(tiny_fp8, CPU)
+    assert result.layers == layers and result.tensors.keys() == disk.keys()
+
+
+def test_verification_failure_is_the_stated_reason(daemon_process, tiny_fp8, tiny_pc) -> None:
+    result = load_weights(
+        "tiny",
+        tiny_pc,
+        Expectations(CPU, checkpoint=tiny_pc),
+        config=ClientConfig(url=daemon_process.url),
+    )
+    assert result.source == "disk" and result.reason == "fingerprint_mismatch"
+    assert httpx.get(f"{daemon_process.url}/v1/leases").json() == []
+
+
+def test_no_fallback_raises(tiny_fp8: Path) -> None:
+    config = ClientConfig(url=f"http://127.0.0.1:{free_port()}", retries=0)
+    with pytest.raises(DaemonUnavailableError):
+        load_weights(
+            "tiny", tiny_fp8, Expectations(CPU, checkpoint=tiny_fp8), config=config, fallback=False
+        )
+
+
+def test_waits_for_a_model_still_loading(tmp_path: Path, tiny_fp8: Path, monkeypatch) -> None:
+    daemon = start_daemon(tmp_path, [], "--allowed-root", str(tiny_fp8.parent))
+    try:
+        config = ClientConfig(url=daemon.url)
+        loaded = threading.Timer(
+            0.5,
+            lambda: httpx.post(
+                f"{daemon.url}/v1/models", json={"path": str(tiny_fp8), "id": "late"}
+            ),
+        )
+        # not there yet: model_not_found is a reason to fall back, not to wait
+        result = load_weights(
+            "late", tiny_fp8, Expectations(CPU, checkpoint=tiny_fp8), config=config
+        )
+        assert result.reason == "model_not_found"
+        loaded.start()
+        loaded.join()
+        result = load_weights(
+            "late", tiny_fp8, Expectations(CPU, checkpoint=tiny_fp8), config=config, wait_s=30
+        )
+        assert result.source == "daemon"
+        assert result.attachment is not None
+        result.attachment.close()
+    finally:
+        daemon.stop()

@@ -1,0 +1,168 @@
+"""The ``weight_cache`` load format inside vLLM 0.33: entry point, registry, options, and the
+fallback to vLLM's default loader."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+
+from tests.daemon_process import free_port
+from tests.vllm.vllm_model import configs, vllm_world
+
+
+def observe_default_loader(monkeypatch) -> list:
+    """Record each call of vLLM's DefaultModelLoader.load_model, then run the real one."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    calls = []
+    real = DefaultModelLoader.load_model
+
+    def observed(self, vllm_config, model_config, prefix=""):
+        calls.append(self.load_config)
+        return real(self, vllm_config, model_config, prefix)
+
+    monkeypatch.setattr(DefaultModelLoader, "load_model", observed)
+    return calls
+
+
+def load_allowing_cpu_gap(loader, vllm_config, model_config) -> None:
+    """Run ``loader.load_model``; vLLM's CUDA wheel lacks the CPU op its default loader
+    post-processes the embedding with (``_C.convert_weight_packed``), so on this CPU-only
+    machine vLLM's own load stops there. On a GPU it completes."""
+    try:
+        loader.load_model(vllm_config, model_config)
+    except AttributeError as exc:
+        assert "convert_weight_packed" in str(exc)
+
+
+def test_entry_point_is_installed() -> None:
+    (ep,) = [
+        e
+        for e in importlib.metadata.entry_points(group="vllm.general_plugins")
+        if e.name == "weight_cache"
+    ]
+    assert ep.value == "engine_client.vllm_plugin:register"
+
+
+def test_plugins_register_the_load_format() -> None:
+    from vllm.config import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    loader = get_model_loader(
+        LoadConfig(load_format="weight_cache", model_loader_extra_config={"url": "http://x:1"})
+    )
+    assert type(loader).__name__ == "WeightCacheModelLoader"
+    assert loader.options.url == "http://x:1" and loader.options.fallback is True
+    assert loader.fallback_config.load_format == "auto"
+    assert loader.fallback_config.model_loader_extra_config == {}
+    # vLLM's own daemon keeps its name
+    assert type(get_model_loader(LoadConfig(load_format="ipc_cache"))).__name__ == "IpcModelLoader"
+
+
+def test_unknown_options_are_refused() -> None:
+    from vllm.config import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from engine_client.vllm_loader import _register
+
+    _register()
+    with pytest.raises(ValueError, match="cache_dir"):
+        get_model_loader(
+            LoadConfig(load_format="weight_cache", model_loader_extra_config={"cache_dir": "/x"})
+        )
+
+
+def test_cli_accepts_the_load_format() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(
+        [
+            "--model",
+            "m",
+            "--load-format",
+            "weight_cache",
+            "--model-loader-extra-config",
+            '{"url": "http://127.0.0.1:8470", "fallback": false}',
+        ]
+    )
+    load_config = EngineArgs.from_cli_args(args).create_load_config()
+    assert load_config.load_format == "weight_cache"
+    assert load_config.model_loader_extra_config == {
+        "url": "http://127.0.0.1:8470",
+        "fallback": False,
+    }
+
+
+def test_without_the_daemon_it_delegates_to_vllms_default_loader(
+    tiny_fp8: Path, monkeypatch
+) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from engine_client.loading import FALLBACKS
+    from engine_client.vllm_loader import _register
+
+    _register()
+    delegated = observe_default_loader(monkeypatch)
+    url = f"http://127.0.0.1:{free_port()}"
+    vllm_config, model_config = configs(tiny_fp8, "weight_cache", {"url": url})
+    loader = get_model_loader(vllm_config.load_config)
+    before = FALLBACKS["daemon_unavailable"]
+    with set_current_vllm_config(vllm_config), vllm_world(port=free_port()):
+        load_allowing_cpu_gap(loader, vllm_config, model_config)
+    assert loader.fallback_reason == "daemon_unavailable"
+    assert FALLBACKS["daemon_unavailable"] == before + 1
+    assert [c.load_format for c in delegated] == ["auto"]
+    assert delegated[0].model_loader_extra_config == {}
+
+
+def test_fallback_false_raises(tiny_fp8: Path) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from engine_client.vllm_loader import _register
+    from service.errors import DaemonUnavailableError
+
+    _register()
+    url = f"http://127.0.0.1:{free_port()}"
+    vllm_config, model_config = configs(tiny_fp8, "weight_cache", {"url": url, "fallback": False})
+    loader = get_model_loader(vllm_config.load_config)
+    with (
+        set_current_vllm_config(vllm_config),
+        vllm_world(port=free_port()),
+        pytest.raises(DaemonUnavailableError),
+    ):
+        loader.load_model(vllm_config, model_config)
+
+
+def test_a_kernel_other_than_cutlass_is_refused_then_falls_back(
+    daemon_process, tiny_fp8: Path, monkeypatch
+) -> None:
+    """On the CPU platform vLLM picks a torch scaled-mm kernel, not CUTLASS: the loader must not
+    bind the CUTLASS layout to it, and says so."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from engine_client.vllm_loader import _register
+
+    _register()
+    delegated = observe_default_loader(monkeypatch)
+    vllm_config, model_config = configs(tiny_fp8, "weight_cache", {"url": daemon_process.url})
+    loader = get_model_loader(vllm_config.load_config)
+    with set_current_vllm_config(vllm_config), vllm_world(port=free_port()):
+        load_allowing_cpu_gap(loader, vllm_config, model_config)
+    assert loader.fallback_reason == "kernel_mismatch"
+    assert [c.load_format for c in delegated] == ["auto"]
+    # the meta build was undone: vLLM's rotary cache holds no meta tensors for the fallback
+    from vllm.model_executor.layers import rotary_embedding
+
+    assert all(r.cos_sin_cache.device.type != "meta" for r in rotary_embedding._ROPE_DICT.values())
+    import httpx
+
+    assert httpx.get(f"{daemon_process.url}/v1/leases").json() == []
