@@ -47,6 +47,8 @@ def start_daemon(
     env: dict[str, str] | None = None,
     uds: Path | None = None,
     wait_ready: bool = True,
+    device: str = "cpu",
+    timeout_s: float = 60.0,
 ) -> DaemonProcess:
     port = port or free_port()
     shm_dir = shm_dir or tmp_path / "shm"
@@ -62,7 +64,7 @@ def start_daemon(
         "--shm-dir",
         str(shm_dir),
         "--device",
-        "cpu",
+        device,
     ]
     for m in models:
         args += ["--model", str(m)]
@@ -80,7 +82,7 @@ def start_daemon(
     daemon = DaemonProcess(f"http://127.0.0.1:{port}", process, shm_dir, log)
     transport = httpx.HTTPTransport(uds=str(uds)) if uds else None
     poll = httpx.Client(transport=transport, base_url=daemon.url, timeout=1)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + timeout_s
     while True:
         if process.poll() is not None:
             poll.close()
@@ -96,3 +98,40 @@ def start_daemon(
             daemon.stop(signal.SIGKILL)
             raise RuntimeError(f"daemon not ready: {log.read_text()}")
         time.sleep(0.1)
+
+
+class InProcessDaemon:
+    """The real app under uvicorn in a thread of this process, so a test can reach into the
+    daemon's memory (e.g. write to an arena and watch an engine process see it)."""
+
+    def __init__(self, settings: object) -> None:
+        import threading
+
+        import uvicorn
+
+        from service.api.app import create_app
+
+        self.port = free_port()
+        self.app = create_app(settings.model_copy(update={"port": self.port}))  # type: ignore[attr-defined]
+        self.daemon = self.app.state.daemon
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> InProcessDaemon:
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("in-process daemon not ready")
+            time.sleep(0.05)
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)

@@ -14,6 +14,9 @@ the CPU gives the same bytes as the GPU.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -63,7 +66,7 @@ def requantize_to_scale(
 
 
 _ALL_CODES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE)
-_LUT_CHUNK = 1 << 24  # elements per gather, bounding the temporary to 16 MiB
+_LUT_CHUNK = 1 << 22  # elements per gather: bounds each temporary to 4 MiB
 
 
 def requantize_lut(scale: torch.Tensor, new_scale: torch.Tensor) -> torch.Tensor:
@@ -73,10 +76,21 @@ def requantize_lut(scale: torch.Tensor, new_scale: torch.Tensor) -> torch.Tensor
 
 
 def apply_code_lut(weight: torch.Tensor, lut: torch.Tensor) -> None:
-    """Replace every e4m3 code of the CPU tensor ``weight`` (2-D) in place by ``lut[code]``."""
+    """Replace every e4m3 code of the CPU tensor ``weight`` (2-D) in place by ``lut[code]``.
+
+    NumPy releases the GIL while it gathers, so row blocks run on torch's intra-op threads.
+    """
     codes = weight.view(torch.uint8).numpy()
     table = lut.numpy()
     rows_per_chunk = max(1, _LUT_CHUNK // max(1, codes.shape[1]))
-    for start in range(0, codes.shape[0], rows_per_chunk):
-        block = codes[start : start + rows_per_chunk]
+    blocks = [codes[i : i + rows_per_chunk] for i in range(0, codes.shape[0], rows_per_chunk)]
+
+    def gather(block: np.ndarray) -> None:
         block[...] = table[block]
+
+    if len(blocks) == 1 or torch.get_num_threads() == 1:
+        for block in blocks:
+            gather(block)
+        return
+    with ThreadPoolExecutor(max_workers=min(len(blocks), torch.get_num_threads())) as pool:
+        list(pool.map(gather, blocks))

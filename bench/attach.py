@@ -1,0 +1,157 @@
+"""Time to usable tensors: attach to the daemon versus an ordinary load, side by side.
+
+For each shape (default: qwen2.5-0.5b and llama-8b demo checkpoints) a daemon process holds the
+model; this process, playing the engine with its device context already up, times an ordinary
+load from the page cache (read + process + place on the device) and repeated attaches (lease,
+verify, open, rebuild, release). A fresh process measures the cold attach, CUDA context included,
+separately. CUDA when present, shared memory on a CPU machine. Prints medians and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import CACHE, demo_checkpoint, median_seconds, warm_page_cache
+from engine_client.attach import attach
+from engine_client.client import ClientConfig
+from engine_client.loading import load_from_disk
+from engine_client.verify import Expectations
+from service.checkpoint import Checkpoint
+from tests.daemon_process import start_daemon
+
+
+def device() -> torch.device:
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def expectations(path: Path) -> Expectations:
+    with Checkpoint.open(path) as ckpt:
+        quant = ckpt.quant
+    return Expectations(device(), checkpoint=path, quant=quant)
+
+
+def cold_attach(url: str, model: str, path: Path) -> dict[str, float]:
+    """Attach from a fresh process: device context and first kernel included."""
+    code = f"""
+import json, time
+t0 = time.perf_counter()
+import torch
+from bench.attach import expectations, sync
+from engine_client.attach import attach
+from engine_client.client import ClientConfig
+from pathlib import Path
+t1 = time.perf_counter()
+if torch.cuda.is_available():
+    torch.cuda.init(); torch.ones(1, device="cuda").add_(1); sync()
+t2 = time.perf_counter()
+with attach({model!r}, expectations(Path({str(path)!r})), config=ClientConfig(url={url!r}),
+            keep_alive=False) as att:
+    t3 = time.perf_counter()
+    print(json.dumps({{"imports_ms": (t1 - t0) * 1e3, "context_ms": (t2 - t1) * 1e3,
+                      "attach_ms": (t3 - t2) * 1e3}}))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600
+    )
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def bench_shape(shape: str, repeats: int, attaches: int, work: Path) -> dict[str, object]:
+    path = demo_checkpoint(shape)
+    size = warm_page_cache(path)
+    dev = device()
+    if dev.type == "cuda":
+        torch.cuda.init()
+        torch.ones(1, device=dev).add_(1)
+        sync()
+    daemon = start_daemon(
+        work / shape,
+        [path],
+        "--model-id",
+        shape,
+        device="cuda:0" if dev.type == "cuda" else "cpu",
+        timeout_s=1800,
+    )
+    try:
+        config = ClientConfig(url=daemon.url)
+        expect = expectations(path)
+
+        def ordinary() -> None:
+            tensors, _ = load_from_disk(path, dev)
+            sync()
+            del tensors
+
+        ordinary_s, _ = median_seconds(ordinary, repeats)
+        times, parts = [], []
+        for _ in range(attaches):
+            start = time.perf_counter()
+            att = attach(shape, expect, config=config, keep_alive=False)
+            times.append(time.perf_counter() - start)
+            parts.append(att.timings)
+            zero_copy = att.zero_copy()
+            nbytes = att.nbytes
+            att.close()
+        cold = cold_attach(daemon.url, shape, path)
+    finally:
+        daemon.stop()
+    times.sort()
+    p50 = statistics.median(times)
+    return {
+        "shape": shape,
+        "device": str(dev),
+        "checkpoint_bytes": size,
+        "leased_bytes": nbytes,
+        "ordinary_load_ms": ordinary_s * 1e3,
+        "attach_p50_ms": p50 * 1e3,
+        "attach_p99_ms": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3,
+        "lease_p50_ms": statistics.median(p.lease_ms for p in parts),
+        "open_p50_ms": statistics.median(p.open_ms for p in parts),
+        "rebuild_p50_ms": statistics.median(p.rebuild_ms for p in parts),
+        "verify_p50_ms": statistics.median(p.verify_ms for p in parts),
+        "cold_attach": cold,
+        "zero_copy": zero_copy,
+        "speedup": ordinary_s / p50,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shapes", nargs="+", default=["qwen2.5-0.5b", "llama-8b"])
+    parser.add_argument("--repeats", type=int, default=3, help="ordinary loads per shape")
+    parser.add_argument("--attaches", type=int, default=20, help="attaches per shape")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    work = CACHE / "attach-bench"
+    work.mkdir(parents=True, exist_ok=True)
+    results = [bench_shape(s, args.repeats, args.attaches, work) for s in args.shapes]
+    print(
+        f"{'shape':<14}{'device':<8}{'bytes':>14}{'ordinary ms':>13}{'attach p50':>12}"
+        f"{'p99':>9}{'lease':>8}{'open':>8}{'rebuild':>9}{'cold':>9}{'speedup':>10}"
+    )
+    for r in results:
+        print(
+            f"{r['shape']:<14}{r['device']:<8}{r['leased_bytes']:>14}"
+            f"{r['ordinary_load_ms']:>13.1f}{r['attach_p50_ms']:>12.2f}{r['attach_p99_ms']:>9.2f}"
+            f"{r['lease_p50_ms']:>8.2f}{r['open_p50_ms']:>8.2f}{r['rebuild_p50_ms']:>9.2f}"
+            f"{r['cold_attach']['attach_ms']:>9.1f}{r['speedup']:>9.0f}x"
+        )  # type: ignore[index]
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""The engine process of the GPU lease test (run as a script): attaches over CUDA IPC, reports
+every tensor, then waits for a line on stdin and reports the first weight's bytes again."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from engine_client.attach import attach
+from engine_client.client import ClientConfig
+from engine_client.verify import Expectations
+from service.checkpoint import Checkpoint
+from service.memory.checksum import storage_checksum
+
+
+def main() -> None:
+    url, model, checkpoint = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    torch.cuda.init()
+    with Checkpoint.open(checkpoint) as ckpt:
+        quant = ckpt.quant
+    expect = Expectations(
+        torch.device("cuda", 0), checkpoint=checkpoint, quant=quant, verify_checksums=True
+    )
+    with attach(model, expect, config=ClientConfig(url=url)) as att:
+        base = att.arena.base
+        report = {
+            "zero_copy": att.zero_copy(),
+            "device": str(base.device),
+            "timings": {
+                "lease_ms": att.timings.lease_ms,
+                "open_ms": att.timings.open_ms,
+                "rebuild_ms": att.timings.rebuild_ms,
+                "checksum_ms": att.timings.checksum_ms,
+            },
+            "tensors": {
+                name: {
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "shape": list(t.shape),
+                    "stride": list(t.stride()),
+                    "offset": t.data_ptr() - base.data_ptr(),
+                    "checksum": storage_checksum(att.storages[name]),
+                }
+                for name, t in att.tensors.items()
+            },
+        }
+        print(json.dumps(report), flush=True)
+        sys.stdin.readline()  # the daemon writes into its arena now
+        first = att.manifest.layers[0].weight
+        print(json.dumps({"checksum": storage_checksum(att.storages[first])}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

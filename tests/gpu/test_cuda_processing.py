@@ -1,0 +1,91 @@
+"""On the GPU: the CPU emulation of vLLM's CUDA arithmetic is what CUDA computes, the daemon's
+CUDA arenas hold exactly an ordinary load's bytes, and the FP8 forward through
+``torch._scaled_mm`` agrees with the CPU emulation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear
+from service.checkpoint import Checkpoint
+from service.memory.devices import Placement
+from service.processing import load_processed, plan_model
+from service.processing.fp8 import FP8_DTYPE, dequantize_to_fp16, quantize_static
+from service.registry.loader import LoadRequest, Progress, load_model
+from service.schemas.manifest import DaemonIdentity, DeviceKind
+
+pytestmark = pytest.mark.gpu
+CODES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE)
+
+
+@pytest.mark.parametrize("scale", [0.1, 0.0017102945130318403, 3.7e-4, 0.3, 1.7])
+def test_per_tensor_dequantize_rounds_as_the_gpu_does(scale: float) -> None:
+    """vLLM runs ``weight.to(float16) * weight_scale[idx]`` on CUDA tensors."""
+    s = torch.tensor(scale, dtype=torch.float32)
+    on_gpu = CODES.cuda().to(torch.float16) * s.cuda()
+    assert torch.equal(
+        on_gpu.cpu().view(torch.int16), dequantize_to_fp16(CODES, s).view(torch.int16)
+    )
+
+
+@pytest.mark.parametrize("scale", [0.7, 0.0031585819087922573, 2.5e-3])
+def test_static_quantization_matches_on_gpu(scale: float) -> None:
+    x = torch.randn(4096, dtype=torch.float32) * 300
+    s = torch.tensor(scale, dtype=torch.float32)
+    assert torch.equal(
+        quantize_static(x.cuda(), s.cuda()).cpu().view(torch.uint8),
+        quantize_static(x, s).view(torch.uint8),
+    )
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "fp8-pc-pt"])
+def test_cuda_arena_holds_the_ordinary_load(
+    tiny_fp8: Path, tiny_pc: Path, tmp_path: Path, scheme: str
+) -> None:
+    path = tiny_fp8 if scheme == "fp8" else tiny_pc
+    request = LoadRequest(
+        model_id="t",
+        path=path,
+        tp_size=1,
+        placements=[Placement(DeviceKind.cuda, 0)],
+        shm_dir=tmp_path,
+        budget_left=lambda: None,
+        daemon=DaemonIdentity(
+            boot_id="b",
+            protocol_version=1,
+            weight_cache_version="0",
+            torch_version=torch.__version__,
+        ),
+    )
+    _, (rank,) = load_model(request, Progress())
+    try:
+        with Checkpoint.open(path) as ckpt:
+            plan = plan_model(ckpt)
+            expected = load_processed(ckpt, plan)
+        specs = {s.name: s for s in plan.specs}
+        for entry in rank.manifest.tensors:
+            spec = specs[entry.name]
+            stored = rank.arena.storage(spec).cpu()
+            want = spec.storage_of(expected[entry.name])
+            assert torch.equal(
+                stored.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)
+            ), entry.name
+    finally:
+        rank.arena.release()
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2, 3])
+def test_scaled_mm_on_gpu_matches_the_emulation(tiny_any: Path, layer: int) -> None:
+    with Checkpoint.open(tiny_any) as ckpt:
+        plan = plan_model(ckpt)
+        cpu = load_processed(ckpt, plan)
+        gpu = load_processed(ckpt, plan, "cuda")
+    layout = plan.layouts[layer]
+    x = (torch.randn(16, layout.input_size) * 0.5).to(torch.bfloat16)
+    y_gpu = fp8_linear(x.cuda(), Fp8LinearWeights.from_tensors(layout, gpu)).float().cpu()
+    y_cpu = fp8_linear(x, Fp8LinearWeights.from_tensors(layout, cpu)).float()
+    assert y_gpu.shape == (16, layout.output_size)
+    assert ((y_gpu - y_cpu).norm() / y_cpu.norm()) < 1e-2
