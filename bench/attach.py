@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,6 +54,7 @@ from bench.attach import expectations, sync
 from engine_client.attach import attach
 from engine_client.client import ClientConfig
 from pathlib import Path
+from typing import Any
 t1 = time.perf_counter()
 if torch.cuda.is_available():
     torch.cuda.init(); torch.ones(1, device="cuda").add_(1); sync()
@@ -70,7 +72,7 @@ with attach({model!r}, expectations(Path({str(path)!r})), config=ClientConfig(ur
     return result
 
 
-def bench_shape(shape: str, repeats: int, attaches: int, work: Path) -> dict[str, object]:
+def bench_shape(shape: str, repeats: int, attaches: int, work: Path) -> dict[str, Any]:
     path = demo_checkpoint(shape)
     size = warm_page_cache(path)
     dev = device()
