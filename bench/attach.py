@@ -150,7 +150,7 @@ def main() -> None:
             f"{r['ordinary_load_ms']:>13.1f}{r['attach_p50_ms']:>12.2f}{r['attach_p99_ms']:>9.2f}"
             f"{r['lease_p50_ms']:>8.2f}{r['open_p50_ms']:>8.2f}{r['rebuild_p50_ms']:>9.2f}"
             f"{r['cold_attach']['attach_ms']:>9.1f}{r['speedup']:>9.0f}x"
-        )  # type: ignore[index]
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 
