@@ -105,7 +105,7 @@ class Attachment:
 
     @property
     def manifest(self) -> Manifest:
-        return self.grant.manifest
+        return self.grant.full_manifest()
 
     @property
     def lease_id(self) -> str:
@@ -187,17 +187,18 @@ def attach(
         arena: OpenedArena | None = None
         try:
             start = time.perf_counter()
-            verify_manifest(grant.manifest, expect)
+            manifest = grant.full_manifest()
+            verify_manifest(manifest, expect)
             timings.verify_ms = (time.perf_counter() - start) * 1e3
             start = time.perf_counter()
-            arena = open_arena(grant.manifest.arenas[0])
+            arena = open_arena(manifest.arenas[0])
             timings.open_ms = (time.perf_counter() - start) * 1e3
             start = time.perf_counter()
-            tensors, storages = _rebuild(grant.manifest, arena.base)
+            tensors, storages = _rebuild(manifest, arena.base)
             timings.rebuild_ms = (time.perf_counter() - start) * 1e3
             if expect.verify_checksums:
                 start = time.perf_counter()
-                verify_checksums(grant.manifest, storages)
+                verify_checksums(manifest, storages)
                 timings.checksum_ms = (time.perf_counter() - start) * 1e3
         except BaseException:
             with contextlib.suppress(WeightCacheError):

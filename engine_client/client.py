@@ -10,7 +10,9 @@ grant that reached the daemon but whose answer was lost would leak a lease.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,7 @@ from service.schemas.health import Health, Readiness
 from service.schemas.inventory import Inventory
 from service.schemas.layout import Kernel, WeightFormat
 from service.schemas.leases import LeaseGrant, LeaseInfo, LeaseRequest
+from service.schemas.manifest import Manifest
 from service.schemas.models import LoadModelRequest, ModelInfo
 
 DEFAULT_URL = "http://127.0.0.1:8470"
@@ -41,6 +44,7 @@ class ClientConfig:
     retries: int = 2
     retry_backoff_s: float = 0.1
     headers: dict[str, str] = field(default_factory=dict)
+    cache_layouts: bool = True  # send known_layout for layouts this process already holds
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ClientConfig:
@@ -85,6 +89,69 @@ def _raise_for_problem(response: httpx.Response) -> None:
 def _unavailable(config: ClientConfig, exc: Exception) -> DaemonUnavailableError:
     where = config.uds or config.url
     return DaemonUnavailableError(f"cannot reach the daemon at {where}: {exc}", url=where)
+
+
+LayoutKey = tuple[str, str, int, int]  # (daemon address, model, tp_rank, tp_size)
+
+
+class LayoutCache:
+    """Manifests this process has received, by layout digest. A client sends the digest of the
+    layout it holds for a model and rank as ``known_layout``; the daemon then returns only the
+    lease and fresh handles, and the cached layout is completed with them. A restarted daemon
+    has a new digest (its boot id is part of the layout), so nothing stale is ever reused."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._manifests: collections.OrderedDict[str, Manifest] = collections.OrderedDict()
+        self._latest: dict[LayoutKey, str] = {}
+        self._lock = threading.Lock()
+
+    def known(self, key: LayoutKey) -> str | None:
+        with self._lock:
+            digest = self._latest.get(key)
+            return digest if digest in self._manifests else None
+
+    def complete(self, key: LayoutKey, grant: LeaseGrant) -> LeaseGrant:
+        with self._lock:
+            if grant.manifest is not None:
+                self._manifests[grant.layout_digest] = grant.manifest
+                self._manifests.move_to_end(grant.layout_digest)
+                while len(self._manifests) > self.size:
+                    self._manifests.popitem(last=False)
+                self._latest[key] = grant.layout_digest
+                return grant
+            cached = self._manifests.get(grant.layout_digest)
+        if cached is None:
+            raise DaemonUnavailableError("the daemon omitted a layout this client does not hold")
+        full = cached.model_copy(update={"arenas": grant.arenas})
+        return grant.model_copy(update={"manifest": full})
+
+
+LAYOUTS = LayoutCache()
+# Keep every concurrent request's connection alive (httpx keeps 20 by default).
+_LIMITS = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+
+
+def _lease_body(
+    config: ClientConfig,
+    key: LayoutKey,
+    kernel: str,
+    format: str,
+    ttl_s: float | None,
+    client_pid: int | None,
+) -> dict[str, Any]:
+    _, model, tp_rank, tp_size = key
+    body = LeaseRequest(
+        model=model,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        kernel=kernel,
+        format=format,
+        client_pid=client_pid or os.getpid(),
+        ttl_s=ttl_s,
+        known_layout=LAYOUTS.known(key) if config.cache_layouts else None,
+    )
+    return body.model_dump(mode="json", exclude_none=True)
 
 
 _RETRYABLE = (
@@ -196,22 +263,11 @@ class DaemonClient:
         ttl_s: float | None = None,
         client_pid: int | None = None,
     ) -> LeaseGrant:
-        body = LeaseRequest(
-            model=model,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            kernel=kernel,
-            format=format,
-            client_pid=client_pid or os.getpid(),
-            ttl_s=ttl_s,
-        )
-        response = self._request(
-            "POST",
-            "/v1/leases",
-            idempotent=False,
-            json=body.model_dump(mode="json", exclude_none=True),
-        )
-        return LeaseGrant.model_validate_json(response.content)
+        """Lease one rank; the returned grant always carries the full manifest."""
+        key = (self.config._base_url() + (self.config.uds or ""), model, tp_rank, tp_size)
+        body = _lease_body(self.config, key, kernel, format, ttl_s, client_pid)
+        response = self._request("POST", "/v1/leases", idempotent=False, json=body)
+        return LAYOUTS.complete(key, LeaseGrant.model_validate_json(response.content))
 
     def leases(self) -> list[LeaseInfo]:
         response = self._request("GET", "/v1/leases", idempotent=True)
@@ -234,10 +290,13 @@ class AsyncDaemonClient:
 
     def __init__(self, config: ClientConfig | None = None) -> None:
         self.config = config or ClientConfig.from_env()
-        transport = httpx.AsyncHTTPTransport(uds=self.config.uds, verify=self.config._verify())
+        transport = httpx.AsyncHTTPTransport(
+            uds=self.config.uds, verify=self.config._verify(), limits=_LIMITS
+        )
         self._http = httpx.AsyncClient(
             base_url=self.config._base_url(),
             transport=transport,
+            limits=_LIMITS,
             headers=self.config._headers(),
             timeout=self.config.timeout_s,
         )
@@ -292,22 +351,11 @@ class AsyncDaemonClient:
         ttl_s: float | None = None,
         client_pid: int | None = None,
     ) -> LeaseGrant:
-        body = LeaseRequest(
-            model=model,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            kernel=kernel,
-            format=format,
-            client_pid=client_pid or os.getpid(),
-            ttl_s=ttl_s,
-        )
-        response = await self._request(
-            "POST",
-            "/v1/leases",
-            idempotent=False,
-            json=body.model_dump(mode="json", exclude_none=True),
-        )
-        return LeaseGrant.model_validate_json(response.content)
+        """Lease one rank; the returned grant always carries the full manifest."""
+        key = (self.config._base_url() + (self.config.uds or ""), model, tp_rank, tp_size)
+        body = _lease_body(self.config, key, kernel, format, ttl_s, client_pid)
+        response = await self._request("POST", "/v1/leases", idempotent=False, json=body)
+        return LAYOUTS.complete(key, LeaseGrant.model_validate_json(response.content))
 
     async def renew(self, lease_id: str, ttl_s: float | None = None) -> LeaseInfo:
         body = {"ttl_s": ttl_s} if ttl_s is not None else None

@@ -31,6 +31,7 @@ from service.errors import (
 from service.memory.devices import device_infos, resolve_placements
 from service.memory.shm import remove_stale_files
 from service.metrics import Metrics
+from service.registry.grant import Grant
 from service.registry.leases import LeaseEnd, LeaseTable
 from service.registry.loader import LoadRequest, load_model
 from service.registry.models import ModelRecord
@@ -38,7 +39,7 @@ from service.schemas.health import Health, Readiness
 from service.schemas.inventory import Inventory
 from service.schemas.layout import Kernel, WeightFormat
 from service.schemas.leases import LeaseInfo, LeaseRequest
-from service.schemas.manifest import ArenaDescriptor, DaemonIdentity, Manifest
+from service.schemas.manifest import ArenaDescriptor, DaemonIdentity
 from service.schemas.models import ModelInfo, ModelState
 from service.settings import DaemonSettings
 from service.version import PROTOCOL_VERSION, __version__
@@ -227,7 +228,7 @@ class Daemon:
 
     # --- leases --------------------------------------------------------------------------------
 
-    def grant(self, req: LeaseRequest) -> tuple[LeaseInfo, Manifest]:
+    def grant(self, req: LeaseRequest) -> Grant:
         with self.lock:
             record = self.model(req.model)
             if record.state is ModelState.loading:
@@ -273,11 +274,9 @@ class Daemon:
                 req.model, req.tp_rank, req.tp_size, req.client_pid, ttl, self.leases.now()
             )
             info = lease.info(self.boot_id)
-        manifest = rank.manifest.model_copy(
-            update={"arenas": [ArenaDescriptor(index=0, nbytes=rank.arena.nbytes, handle=handle)]}
-        )
         self.metrics.leases_granted.inc()
-        return info, manifest
+        arena = ArenaDescriptor(index=0, nbytes=rank.arena.nbytes, handle=handle)
+        return Grant(info, rank, [arena], req.known_layout != rank.manifest.layout_digest)
 
     def lease(self, lease_id: str) -> LeaseInfo:
         with self.lock:

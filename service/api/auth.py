@@ -10,7 +10,7 @@ from fastapi import Request
 from service.errors import UnauthorizedError
 
 
-def require_token(request: Request) -> None:
+async def require_token(request: Request) -> None:
     token = request.app.state.daemon.settings.token
     if token is None:
         return

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import xxhash
 
 from service.checkpoint import Checkpoint
 from service.dtypes import to_wire
@@ -47,11 +48,18 @@ class Progress:
 
 @dataclass
 class ResidentRank:
-    """One TP rank of a loaded model: its arena and its manifest (without handles)."""
+    """One TP rank of a loaded model: its arena and its manifest (without handles).
+
+    The manifest's JSON is rendered once here: a lease only adds its own handle to it.
+    """
 
     rank: int
     arena: Arena
     manifest: Manifest
+    manifest_json: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.manifest_json = self.manifest.model_dump_json(exclude={"arenas"}).encode()
 
 
 @dataclass(frozen=True)
@@ -126,7 +134,7 @@ def _manifest(
     req: LoadRequest, ckpt: Checkpoint, plan: ModelPlan, arena: Arena, checksums: dict[str, str]
 ) -> Manifest:
     offsets = arena.layout.offsets
-    return Manifest(
+    manifest = Manifest(
         model=req.model_id,
         tp_rank=plan.tp_rank,
         tp_size=plan.tp_size,
@@ -153,8 +161,11 @@ def _manifest(
             for s in plan.specs
         ],
         layers=plan.layouts,
+        layout_digest="",
         arenas=[],
     )
+    layout = manifest.model_dump_json(exclude={"arenas", "layout_digest"}).encode()
+    return manifest.model_copy(update={"layout_digest": xxhash.xxh3_128_hexdigest(layout)})
 
 
 def load_model(req: LoadRequest, progress: Progress) -> tuple[Checkpoint, list[ResidentRank]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.schemas.manifest import Manifest
+from service.schemas.manifest import ArenaDescriptor, Manifest
 
 MAX_TTL_S = 86_400.0
 _NAME = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -24,6 +24,11 @@ class LeaseRequest(BaseModel):
     )
     client_pid: int = Field(ge=1, le=2**31 - 1)
     ttl_s: float | None = Field(default=None, gt=0, le=MAX_TTL_S)
+    known_layout: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{32}$",
+        description="layout_digest of a manifest the client already holds for this model/rank",
+    )
 
 
 class RenewRequest(BaseModel):
@@ -48,4 +53,15 @@ class LeaseInfo(BaseModel):
 
 class LeaseGrant(BaseModel):
     lease: LeaseInfo
-    manifest: Manifest
+    layout_digest: str
+    arenas: list[ArenaDescriptor] = Field(description="this lease's handles (also in manifest)")
+    manifest: Manifest | None = Field(
+        description="null when the request's known_layout equals layout_digest: the client "
+        "reuses the manifest it holds, with these arenas"
+    )
+
+    def full_manifest(self) -> Manifest:
+        """The manifest (the client library always fills it in before returning a grant)."""
+        if self.manifest is None:
+            raise ValueError("grant without a manifest: its layout was cached by the client")
+        return self.manifest

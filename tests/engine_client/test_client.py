@@ -119,3 +119,19 @@ async def test_async_client(daemon_process) -> None:
         assert (await client.inventory()).active_leases == 0
         with pytest.raises(ModelNotFoundError):
             await client.lease("ghost")
+
+
+def test_layouts_are_fetched_once_per_process(daemon_process) -> None:
+    from engine_client.client import LAYOUTS
+
+    config = ClientConfig(url=daemon_process.url)
+    with DaemonClient(config) as client:
+        first = client.lease("tiny", ttl_s=5)
+        key = (f"{daemon_process.url}", "tiny", 0, 1)
+        assert LAYOUTS.known(key) == first.layout_digest
+        second = client.lease("tiny", ttl_s=5)
+    assert second.full_manifest().tensors == first.full_manifest().tensors
+    assert second.full_manifest().layers == first.full_manifest().layers
+    assert second.full_manifest().arenas == second.arenas  # completed with its own handles
+    with DaemonClient(ClientConfig(url=daemon_process.url, cache_layouts=False)) as client:
+        assert client.lease("tiny", ttl_s=5).manifest is not None

@@ -19,6 +19,7 @@ from service.dtypes import to_torch
 from service.memory.checksum import storage_checksum
 from service.memory.shm import map_read_only
 from service.schemas.leases import LeaseGrant
+from service.schemas.manifest import ShmHandle
 
 
 def lease(url: str, model: str, ttl: float = 60.0) -> LeaseGrant:
@@ -43,8 +44,8 @@ def lease(url: str, model: str, ttl: float = 60.0) -> LeaseGrant:
 def main() -> None:
     mode, url, model = sys.argv[1:4]
     grant = lease(url, model)
-    handle = grant.manifest.arenas[0].handle
-    assert handle.kind == "shm"
+    handle = grant.arenas[0].handle
+    assert isinstance(handle, ShmHandle)
     if mode == "hold":
         print(json.dumps({"lease": grant.lease.id}), flush=True)
         time.sleep(600)
@@ -55,7 +56,7 @@ def main() -> None:
         print("wrote", flush=True)
         return
     out = {}
-    for t in grant.manifest.tensors:
+    for t in grant.full_manifest().tensors:
         storage = base[t.offset : t.offset + t.nbytes]
         view = storage.view(to_torch(t.dtype)).as_strided(t.shape, t.stride)
         out[t.name] = {

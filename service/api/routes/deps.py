@@ -1,4 +1,5 @@
-"""Route dependencies."""
+"""Route dependencies (async: FastAPI runs sync dependencies in a thread pool, a hop per
+request that the lease path cannot afford)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,6 @@ from fastapi import Request
 from service.daemon import Daemon
 
 
-def get_daemon(request: Request) -> Daemon:
+async def get_daemon(request: Request) -> Daemon:
     daemon: Daemon = request.app.state.daemon
     return daemon

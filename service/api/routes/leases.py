@@ -25,13 +25,18 @@ LeaseId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]
     summary="Lease one TP rank of a model: its handles and full layout manifest",
     responses=problem_responses(404, 409, 503),
 )
-async def grant(body: LeaseRequest, response: Response, daemon: DaemonDep) -> LeaseGrant:
+async def grant(body: LeaseRequest, daemon: DaemonDep) -> Response:
     start = time.perf_counter()
-    info, manifest = daemon.grant(body)
-    response.headers["Location"] = f"/v1/leases/{info.id}"
-    grant = LeaseGrant(lease=info, manifest=manifest)
+    granted = daemon.grant(body)
+    # Rendered from the layout JSON made at load time (the same bytes as LeaseGrant's).
+    response = Response(
+        granted.render(),
+        status_code=status.HTTP_201_CREATED,
+        media_type="application/json",
+        headers={"Location": f"/v1/leases/{granted.lease.id}"},
+    )
     daemon.metrics.lease_seconds.observe(time.perf_counter() - start)
-    return grant
+    return response
 
 
 @router.get("", response_model=list[LeaseInfo], summary="Active leases")

@@ -24,11 +24,13 @@ class Served:
     shm_dir: Path
 
     def wait_ready(self, model: str, timeout: float = 30.0) -> dict[str, Any]:
+        """Wait until the model leaves 'loading'; its info as the API shows it (read from the
+        daemon directly, so it works behind a token too)."""
         deadline = time.monotonic() + timeout
         while True:
-            body: dict[str, Any] = self.client.get(f"/v1/models/{model}").json()
-            if body.get("state") != "loading" or time.monotonic() > deadline:
-                return body
+            info = self.daemon.model_info(self.daemon.model(model))
+            if info.state.value != "loading" or time.monotonic() > deadline:
+                return info.model_dump(mode="json")
             time.sleep(0.01)
 
     def lease_body(self, **over: Any) -> dict[str, Any]:

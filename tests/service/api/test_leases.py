@@ -16,6 +16,7 @@ from service.checkpoint import Checkpoint
 from service.memory.shm import map_read_only
 from service.processing import load_processed, plan_model
 from service.schemas.leases import LeaseGrant
+from service.schemas.manifest import ShmHandle
 from tests.service.api.conftest import Served
 
 
@@ -24,7 +25,8 @@ def test_grant_returns_a_complete_manifest(served: Served, tiny_fp8: Path) -> No
     assert r.status_code == 201, r.text
     grant = LeaseGrant.model_validate(r.json())
     assert r.headers["location"] == f"/v1/leases/{grant.lease.id}"
-    m = grant.manifest
+    m = grant.full_manifest()
+    assert grant.arenas == m.arenas and grant.layout_digest == m.layout_digest
     assert (m.model, m.tp_rank, m.tp_size) == ("tiny", 0, 1)
     assert m.daemon.boot_id == grant.lease.boot_id == served.daemon.boot_id
     assert m.daemon.protocol_version == 1
@@ -33,7 +35,7 @@ def test_grant_returns_a_complete_manifest(served: Served, tiny_fp8: Path) -> No
     assert len(m.layers) == 8 and {la.kernel.value for la in m.layers} == {"cutlass"}
     assert all(t.offset % 256 == 0 for t in m.tensors)
     (arena,) = m.arenas
-    assert arena.handle.kind == "shm" and Path(arena.handle.path).parent == served.shm_dir
+    assert isinstance(arena.handle, ShmHandle) and Path(arena.handle.path).parent == served.shm_dir
     assert grant.lease.pid_watched and grant.lease.ttl_s == 30
     assert served.client.get(f"/v1/leases/{grant.lease.id}").json()["id"] == grant.lease.id
     assert [x["id"] for x in served.client.get("/v1/leases").json()] == [grant.lease.id]
@@ -43,14 +45,14 @@ def test_leased_bytes_equal_an_ordinary_load(served: Served, tiny_fp8: Path) -> 
     grant = LeaseGrant.model_validate(
         served.client.post("/v1/leases", json=served.lease_body()).json()
     )
-    handle = grant.manifest.arenas[0].handle
-    assert handle.kind == "shm"
+    handle = grant.arenas[0].handle
+    assert isinstance(handle, ShmHandle)
     base, mapping = map_read_only(Path(handle.path), handle.size)
     with Checkpoint.open(tiny_fp8) as ckpt:
         expected = load_processed(ckpt, plan_model(ckpt))
     from service.dtypes import to_torch
 
-    for entry in grant.manifest.tensors:
+    for entry in grant.full_manifest().tensors:
         raw = base[entry.offset : entry.offset + entry.nbytes].view(to_torch(entry.dtype))
         got = raw.as_strided(entry.shape, entry.stride)
         want = expected[entry.name]
@@ -202,3 +204,28 @@ def test_lease_on_a_failed_model(serve, tiny_fp8: Path, copy_of) -> None:
     r = served.client.post("/v1/leases", json=served.lease_body())
     assert r.status_code == 409 and r.json()["code"] == "model_failed"
     assert r.json()["reason"] == "corrupt_safetensors"
+
+
+def test_rendered_grant_is_exactly_the_schemas_json(served: Served) -> None:
+    """The grant is spliced from JSON rendered at load time; it must be byte for byte what
+    serialising the LeaseGrant model gives."""
+    from service.schemas.leases import LeaseRequest
+
+    granted = served.daemon.grant(LeaseRequest.model_validate(served.lease_body()))
+    assert granted.render() == granted.model().model_dump_json().encode()
+    assert LeaseGrant.model_validate_json(granted.render()) == granted.model()
+
+
+def test_known_layout_skips_the_manifest(served: Served) -> None:
+    first = LeaseGrant.model_validate(
+        served.client.post("/v1/leases", json=served.lease_body()).json()
+    )
+    digest = first.layout_digest
+    slim = served.client.post("/v1/leases", json=served.lease_body(known_layout=digest))
+    assert slim.status_code == 201
+    body = slim.json()
+    assert body["manifest"] is None and body["layout_digest"] == digest
+    assert body["arenas"][0]["handle"]["kind"] == "shm"
+    assert len(slim.content) < len(first.model_dump_json()) / 20
+    stale = served.client.post("/v1/leases", json=served.lease_body(known_layout="0" * 32))
+    assert stale.json()["manifest"]["layout_digest"] == digest  # a full manifest again

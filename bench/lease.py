@@ -1,0 +1,165 @@
+"""Lease round trips under concurrency, and ``/health`` while a large model loads.
+
+1. A daemon process holds the qwen2.5-0.5b demo model. 1, 8 and 32 concurrent clients (asyncio
+   tasks, at most 8 to a client process, as engines are separate processes) each lease (request
+   sent to manifest parsed into the pydantic model) and release in a loop; p50/p99 of the lease
+   round trip per concurrency. "cold": every grant carries and parses the full manifest
+   (~120 KB), as an engine's first lease does; "warm": the client holds the layout and the grant
+   carries only the lease and handles.
+2. The same daemon starts loading the llama-8b demo model over the API; a client polls
+   ``/health`` throughout the load; p50/p99 and the load's duration.
+
+Targets: lease p99 under 20 ms at 32 clients; ``/health`` p99 under 10 ms during the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.common import CACHE, demo_checkpoint
+from engine_client.client import AsyncDaemonClient, ClientConfig
+from tests.daemon_process import start_daemon
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def lease_round_trips(
+    url: str, model: str, clients: int, seconds: float, cached: bool
+) -> list[float]:
+    config = ClientConfig(url=url, cache_layouts=cached)
+    samples: list[float] = []
+    deadline = time.perf_counter() + seconds
+
+    async def one(client: AsyncDaemonClient) -> None:
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            grant = await client.lease(model, ttl_s=30)
+            samples.append(time.perf_counter() - start)
+            await client.release(grant.lease.id)
+
+    async with AsyncDaemonClient(config) as client:
+        await client.lease(model, ttl_s=5)  # warm the connection pool and the daemon
+        await asyncio.gather(*(one(client) for _ in range(clients)))
+    return samples
+
+
+async def health_during_load(url: str, path: Path, interval: float) -> dict[str, Any]:
+    samples: list[float] = []
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        start = time.perf_counter()
+        r = await http.post("/v1/models", json={"path": str(path), "id": "big"})
+        r.raise_for_status()
+        while True:
+            t0 = time.perf_counter()
+            (await http.get("/health")).raise_for_status()
+            samples.append(time.perf_counter() - t0)
+            state = (await http.get("/v1/models/big")).json()["state"]
+            if state != "loading":
+                break
+            await asyncio.sleep(interval)
+        load_s = time.perf_counter() - start
+    return {
+        "state": state,
+        "load_s": load_s,
+        "samples": len(samples),
+        "p50_ms": statistics.median(samples) * 1e3,
+        "p99_ms": percentile(samples, 0.99) * 1e3,
+        "max_ms": max(samples) * 1e3,
+    }
+
+
+def _client_process(
+    url: str, model: str, clients: int, seconds: float, cached: bool, queue: Any
+) -> None:
+    queue.put(asyncio.run(lease_round_trips(url, model, clients, seconds, cached)))
+
+
+def concurrent_round_trips(
+    url: str, model: str, clients: int, seconds: float, cached: bool, per_process: int
+) -> list[float]:
+    """``clients`` concurrent lease loops spread over processes of ``per_process`` each."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    shares = [min(per_process, clients - i) for i in range(0, clients, per_process)]
+    procs = [
+        ctx.Process(target=_client_process, args=(url, model, n, seconds, cached, queue))
+        for n in shares
+    ]
+    for proc in procs:
+        proc.start()
+    samples: list[float] = []
+    for _ in procs:
+        samples.extend(queue.get(timeout=seconds + 120))
+    for proc in procs:
+        proc.join()
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=float, default=10.0, help="per concurrency level")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--per-process", type=int, default=8, help="clients per client process")
+    parser.add_argument(
+        "--load-shape", default="llama-8b", help="model loaded while /health is polled ('' to skip)"
+    )
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    small = demo_checkpoint("qwen2.5-0.5b")
+    big = demo_checkpoint(args.load_shape) if args.load_shape else None
+    work = CACHE / "lease-bench"
+    work.mkdir(parents=True, exist_ok=True)
+    roots = ["--allowed-root", str(CACHE)]
+    daemon = start_daemon(work, [small], "--model-id", "qwen", *roots, timeout_s=600)
+    results: dict[str, Any] = {"lease": [], "health_during_load": None}
+    try:
+        for cached, clients in [(c, n) for c in (False, True) for n in args.clients]:
+            samples = concurrent_round_trips(
+                daemon.url, "qwen", clients, args.seconds, cached, args.per_process
+            )
+            results["lease"].append(
+                {
+                    "layout": "warm" if cached else "cold",
+                    "clients": clients,
+                    "leases": len(samples),
+                    "per_second": len(samples) / args.seconds,
+                    "p50_ms": statistics.median(samples) * 1e3,
+                    "p99_ms": percentile(samples, 0.99) * 1e3,
+                }
+            )
+        if big is not None:
+            results["health_during_load"] = asyncio.run(health_during_load(daemon.url, big, 0.005))
+    finally:
+        daemon.stop()
+    print("lease round trip (qwen2.5-0.5b manifest, request to parsed), shared memory arena")
+    print(f"{'layout':>7}{'clients':>8}{'leases/s':>10}{'p50 ms':>9}{'p99 ms':>9}  (p99 < 20 ms)")
+    for r in results["lease"]:
+        print(
+            f"{r['layout']:>7}{r['clients']:>8}{r['per_second']:>10.0f}{r['p50_ms']:>9.2f}"
+            f"{r['p99_ms']:>9.2f}"
+        )
+    h = results["health_during_load"]
+    if h:
+        print(
+            f"/health during a {args.load_shape} load ({h['load_s']:.1f} s, {h['samples']} "
+            f"requests): p50 {h['p50_ms']:.2f} ms, p99 {h['p99_ms']:.2f} ms, max "
+            f"{h['max_ms']:.2f} ms   target p99 < 10 ms"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
