@@ -27,6 +27,7 @@ import httpx
 
 from bench.common import CACHE, demo_checkpoint
 from engine_client.client import AsyncDaemonClient, ClientConfig
+from service.errors import WeightCacheError
 from tests.daemon_process import start_daemon
 
 
@@ -37,22 +38,28 @@ def percentile(values: list[float], q: float) -> float:
 
 async def lease_round_trips(
     url: str, model: str, clients: int, seconds: float, cached: bool
-) -> list[float]:
+) -> tuple[list[float], int]:
+    """Lease-and-release loops; returns lease round-trip times and the number of errors."""
     config = ClientConfig(url=url, cache_layouts=cached)
     samples: list[float] = []
+    errors = 0
     deadline = time.perf_counter() + seconds
 
     async def one(client: AsyncDaemonClient) -> None:
+        nonlocal errors
         while time.perf_counter() < deadline:
             start = time.perf_counter()
-            grant = await client.lease(model, ttl_s=30)
-            samples.append(time.perf_counter() - start)
-            await client.release(grant.lease.id)
+            try:
+                grant = await client.lease(model, ttl_s=30)
+                samples.append(time.perf_counter() - start)
+                await client.release(grant.lease.id)
+            except WeightCacheError:
+                errors += 1
 
     async with AsyncDaemonClient(config) as client:
         await client.lease(model, ttl_s=5)  # warm the connection pool and the daemon
         await asyncio.gather(*(one(client) for _ in range(clients)))
-    return samples
+    return samples, errors
 
 
 async def health_during_load(url: str, path: Path, interval: float) -> dict[str, Any]:
@@ -88,7 +95,7 @@ def _client_process(
 
 def concurrent_round_trips(
     url: str, model: str, clients: int, seconds: float, cached: bool, per_process: int
-) -> list[float]:
+) -> tuple[list[float], int]:
     """``clients`` concurrent lease loops spread over processes of ``per_process`` each."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
@@ -100,11 +107,14 @@ def concurrent_round_trips(
     for proc in procs:
         proc.start()
     samples: list[float] = []
+    errors = 0
     for _ in procs:
-        samples.extend(queue.get(timeout=seconds + 120))
+        got, failed = queue.get(timeout=seconds + 120)
+        samples.extend(got)
+        errors += failed
     for proc in procs:
         proc.join()
-    return samples
+    return samples, errors
 
 
 def main() -> None:
@@ -126,13 +136,14 @@ def main() -> None:
     results: dict[str, Any] = {"lease": [], "health_during_load": None}
     try:
         for cached, clients in [(c, n) for c in (False, True) for n in args.clients]:
-            samples = concurrent_round_trips(
+            samples, errors = concurrent_round_trips(
                 daemon.url, "qwen", clients, args.seconds, cached, args.per_process
             )
             results["lease"].append(
                 {
                     "layout": "warm" if cached else "cold",
                     "clients": clients,
+                    "errors": errors,
                     "leases": len(samples),
                     "per_second": len(samples) / args.seconds,
                     "p50_ms": statistics.median(samples) * 1e3,

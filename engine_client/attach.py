@@ -20,7 +20,7 @@ from engine_client.client import ClientConfig, DaemonClient
 from engine_client.fp8_linear import Fp8LinearWeights
 from engine_client.verify import Expectations, Reason, verify_checksums, verify_manifest
 from service.dtypes import to_torch
-from service.errors import VerificationError, WeightCacheError
+from service.errors import DaemonUnavailableError, VerificationError, WeightCacheError
 from service.schemas.layout import LayerLayout
 from service.schemas.leases import LeaseGrant
 from service.schemas.manifest import Manifest
@@ -42,7 +42,11 @@ class AttachTimings:
 
 
 class LeaseKeeper(threading.Thread):
-    """Renews a lease every third of its TTL; reports the first failure to ``on_lost``."""
+    """Renews a lease every third of its TTL and reports its loss to ``on_lost``.
+
+    An unreachable daemon (restarting, say) is retried until the lease would have expired; a
+    definitive answer (expired, unknown, daemon restarted) ends the lease at once.
+    """
 
     def __init__(
         self,
@@ -50,27 +54,40 @@ class LeaseKeeper(threading.Thread):
         lease_id: str,
         ttl_s: float,
         on_lost: Callable[[WeightCacheError], None],
+        every_s: float | None = None,
     ) -> None:
         super().__init__(name=f"lease-{lease_id[-8:]}", daemon=True)
         self.config = config
         self.lease_id = lease_id
-        self.interval = max(0.05, ttl_s / 3)
+        self.ttl_s = ttl_s
+        self.interval = every_s or max(0.05, ttl_s / 3)
         self.on_lost = on_lost
         self.stopped = threading.Event()
         self.error: WeightCacheError | None = None
         self.renewals = 0
 
     def run(self) -> None:
+        renewed_at = time.monotonic()
         with DaemonClient(self.config) as client:
             while not self.stopped.wait(self.interval):
                 try:
                     client.renew(self.lease_id)
-                    self.renewals += 1
-                except WeightCacheError as exc:
-                    self.error = exc
-                    log.error("lease %s lost: %s", self.lease_id, exc)
-                    self.on_lost(exc)
+                except DaemonUnavailableError as exc:
+                    if time.monotonic() - renewed_at < self.ttl_s:
+                        log.warning("renewing lease %s: %s; retrying", self.lease_id, exc)
+                        continue
+                    self._lose(exc)
                     return
+                except WeightCacheError as exc:
+                    self._lose(exc)
+                    return
+                renewed_at = time.monotonic()
+                self.renewals += 1
+
+    def _lose(self, error: WeightCacheError) -> None:
+        self.error = error
+        log.error("lease %s lost: %s", self.lease_id, error)
+        self.on_lost(error)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -174,6 +191,7 @@ def attach(
     config: ClientConfig | None = None,
     ttl_s: float | None = None,
     keep_alive: bool = True,
+    renew_every_s: float | None = None,
 ) -> Attachment:
     """Lease ``model`` for ``expect``'s rank and return its tensors, verified and zero-copy."""
     config = config or ClientConfig.from_env()
@@ -213,7 +231,9 @@ def attach(
             "rebuilt tensors do not alias the arena", reason=Reason.manifest_invalid.value
         )
     if keep_alive:
-        attachment.keeper = LeaseKeeper(config, grant.lease.id, grant.lease.ttl_s, attachment._lost)
+        attachment.keeper = LeaseKeeper(
+            config, grant.lease.id, grant.lease.ttl_s, attachment._lost, renew_every_s
+        )
         attachment.keeper.start()
     atexit.register(_close_at_exit, weakref.ref(attachment))
     return attachment

@@ -34,6 +34,16 @@ def problem_response(error: WeightCacheError, **headers: str) -> JSONResponse:
     )
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method any route serves at this path (Starlette names only the first route's)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        path_regex = getattr(route, "path_regex", None)
+        if path_regex is not None and path_regex.match(request.url.path):
+            methods.update(getattr(route, "methods", None) or ())
+    return sorted(methods)
+
+
 def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses`` entries documenting problem bodies for ``statuses``."""
     return {
@@ -73,22 +83,28 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # a body the framework could not even parse
+            error = InvalidRequestError(f"malformed request: {exc.detail}")
+            count(request, error.code)
+            return problem_response(error)
         code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(
             exc.status_code, "http_error"
         )
-        error = WeightCacheError(str(exc.detail))
-        body = error.problem_fields() | {
+        body = WeightCacheError(str(exc.detail)).problem_fields() | {
             "status": exc.status_code,
             "code": code,
             "type": f"urn:weight-cache:problem:{code}",
             "title": str(exc.detail),
         }
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            headers["Allow"] = ", ".join(_allowed_methods(request))
         count(request, code)
         return JSONResponse(
             body,
             status_code=exc.status_code,
             media_type=PROBLEM_MEDIA_TYPE,
-            headers=getattr(exc, "headers", None),
+            headers=headers or None,
         )
 
     @app.exception_handler(Exception)

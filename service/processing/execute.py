@@ -24,6 +24,7 @@ import torch
 
 from service.checkpoint import Checkpoint
 from service.processing.fp8 import apply_code_lut, requantize_lut
+from service.processing.integrity import require_finite
 from service.processing.plan import CarriedPlan, LinearPlan, ModelPlan, TensorSpec
 from service.schemas.layout import Scheme
 
@@ -105,15 +106,28 @@ def read_shards(
         weight_scale = scales[src.weight_scale] if src.weight_scale else None
         if weight_scale is not None and weight_scale.numel() > 1:  # per channel: this rank's rows
             weight_scale = weight_scale.reshape(-1)[sl.rows[0] : sl.rows[1]]
+        weight = _read_clean(ckpt, src.weight, rows=sl.rows, cols=sl.cols)
+        bias = _read_clean(ckpt, src.bias, rows=sl.rows) if src.bias else None
         shards.append(
             ShardData(
-                weight=ckpt.read(src.weight, rows=sl.rows, cols=sl.cols),
+                weight=weight,
                 weight_scale=weight_scale,
                 input_scale=scales[src.input_scale] if src.input_scale else None,
-                bias=ckpt.read(src.bias, rows=sl.rows) if src.bias else None,
+                bias=bias,
             )
         )
     return shards
+
+
+def _read_clean(
+    ckpt: Checkpoint,
+    name: str,
+    rows: tuple[int, int] | None = None,
+    cols: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    tensor = ckpt.read(name, rows=rows, cols=cols)
+    require_finite(tensor, name, str(ckpt.tensors[name].file))
+    return tensor
 
 
 def fill_linear(
@@ -131,7 +145,7 @@ def fill_linear(
 
 
 def fill_carried(ckpt: Checkpoint, plan: CarriedPlan, storage_for: StorageFor) -> None:
-    storage_for(plan.spec).copy_(ckpt.read(plan.source))
+    storage_for(plan.spec).copy_(_read_clean(ckpt, plan.source))
 
 
 def execute_plan(

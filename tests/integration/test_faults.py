@@ -1,0 +1,211 @@
+"""Faults with real processes and real signals: nothing lost, nothing freed under an engine."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine_client.attach import attach
+from engine_client.client import ClientConfig
+from engine_client.loading import load_weights
+from engine_client.verify import Expectations
+from service.demo import write_demo_checkpoint
+from service.errors import DaemonRestartedError
+from service.memory.shm import map_read_only
+from tests.daemon_process import free_port, start_daemon
+
+CPU = torch.device("cpu")
+
+
+def wait_for(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_load_failing_halfway_returns_its_memory(tmp_path: Path, tiny_fp8: Path) -> None:
+    """A corrupt tensor in the last shard: found only when the load reads it, after every
+    layer before it was written. The model ends failed, its arena is gone, the other model is
+    untouched, and /ready says why."""
+    broken = write_demo_checkpoint(tmp_path / "broken", "fp8", "tiny", shard_bytes=20_000)
+    last = sorted(broken.glob("model-*.safetensors"))[-1]
+    tensors = load_file(str(last))
+    assert list(tensors) == ["lm_head.weight"]
+    tensors["lm_head.weight"][100, 3] = float("nan")
+    save_file(tensors, str(last), metadata={"format": "pt"})
+
+    daemon = start_daemon(tmp_path, [tiny_fp8, broken], "--model-id", "tiny", wait_ready=False)
+    try:
+        url = daemon.url
+        wait_for(lambda: httpx.get(f"{url}/v1/models/broken").json()["state"] != "loading")
+        info = httpx.get(f"{url}/v1/models/broken").json()
+        assert info["state"] == "failed" and info["bytes_resident"] == 0
+        assert info["error"]["code"] == "corrupt_safetensors"
+        assert info["error"]["tensor"] == "lm_head.weight"
+        assert info["error"]["file"] == str(last)
+        assert 0 < info["progress"]["bytes_done"] < info["progress"]["bytes_total"]
+        ready = httpx.get(f"{url}/ready")
+        assert ready.status_code == 503
+        assert "lm_head.weight" in ready.json()["failed"]["broken"]
+        wait_for(lambda: httpx.get(f"{url}/v1/models/tiny").json()["state"] == "ready")
+        inventory = httpx.get(f"{url}/v1/inventory").json()
+        tiny = next(m for m in inventory["models"] if m["id"] == "tiny")
+        assert inventory["cache_bytes"] == tiny["bytes_resident"]
+        assert len(list(daemon.shm_dir.iterdir())) == 1  # only tiny's arena
+        grant = httpx.post(
+            f"{url}/v1/leases",
+            json={
+                "model": "tiny",
+                "tp_rank": 0,
+                "tp_size": 1,
+                "kernel": "cutlass",
+                "format": "default",
+                "client_pid": 1,
+            },
+        )
+        assert grant.status_code == 201
+    finally:
+        daemon.stop()
+
+
+def test_daemon_killed_and_restarted(tmp_path: Path, tiny_fp8: Path) -> None:
+    """SIGKILL the daemon under an attached engine: the engine keeps reading its mapping, its
+    next renew says the daemon restarted, a new attach works against the new daemon, and the
+    dead daemon's shared memory is cleaned up when the new one starts."""
+    port, shm = free_port(), tmp_path / "shm"
+    first = start_daemon(tmp_path, [tiny_fp8], "--model-id", "tiny", port=port, shm_dir=shm)
+    config = ClientConfig(url=first.url)
+    expect = Expectations(CPU, checkpoint=tiny_fp8)
+    att = attach("tiny", expect, config=config, ttl_s=60, renew_every_s=0.1)
+    lost: list[Exception] = []
+    att.on_lost.append(lost.append)
+    old_files = sorted(shm.iterdir())
+    weight = att.layers[0].weight
+    before = att.tensors[weight].clone()
+    first.stop(signal.SIGKILL)
+    assert first.process.returncode == -signal.SIGKILL
+    assert torch.equal(att.tensors[weight], before)  # the mapping outlives the daemon
+
+    second = start_daemon(tmp_path, [tiny_fp8], "--model-id", "tiny", port=port, shm_dir=shm)
+    try:
+        new_files = sorted(shm.iterdir())
+        assert len(new_files) == 1 and new_files != old_files  # the dead daemon's arena is gone
+        assert "removed stale shared-memory arena" in second.log.read_text()
+        wait_for(lambda: bool(lost))
+        assert isinstance(lost[0], DaemonRestartedError)
+        assert isinstance(att.lost, DaemonRestartedError)
+        assert torch.equal(att.tensors[weight], before)
+        att.close()
+        # With fallback allowed, the engine leases again from the new daemon.
+        again = load_weights("tiny", tiny_fp8, expect, config=config)
+        assert again.source == "daemon" and again.attachment is not None
+        assert again.attachment.grant.lease.boot_id != att.grant.lease.boot_id
+        again.attachment.close()
+    finally:
+        second.stop()
+    # And with the daemon gone for good, it loads from disk and says why.
+    gone = load_weights("tiny", tiny_fp8, expect, config=ClientConfig(url=second.url, retries=0))
+    assert gone.source == "disk" and gone.reason == "daemon_unavailable"
+
+
+def test_unload_racing_leases_never_frees_a_leased_arena(tmp_path: Path, tiny_fp8: Path) -> None:
+    """Hammer DELETE /v1/models and POST /v1/leases (and reloads) from threads for a bounded
+    time. Every granted lease must find its arena file present while it holds the lease."""
+    daemon = start_daemon(
+        tmp_path, [tiny_fp8], "--model-id", "tiny", "--allowed-root", str(tiny_fp8.parent)
+    )
+    url, stop = daemon.url, time.monotonic() + 6.0
+    problems: list[str] = []
+    counts = {"granted": 0, "unloaded": 0, "in_use": 0, "reloaded": 0}
+    lock = threading.Lock()
+    body = {
+        "model": "tiny",
+        "tp_rank": 0,
+        "tp_size": 1,
+        "kernel": "cutlass",
+        "format": "default",
+        "client_pid": 1,
+        "ttl_s": 30,
+    }
+
+    def leaser() -> None:
+        with httpx.Client(base_url=url, timeout=10) as http:
+            while time.monotonic() < stop:
+                r = http.post("/v1/leases", json=body)
+                if r.status_code != 201:
+                    if r.json()["code"] not in ("model_not_found", "model_loading"):
+                        problems.append(f"lease: {r.status_code} {r.text[:200]}")
+                    continue
+                grant = r.json()
+                handle = grant["arenas"][0]["handle"]
+                try:
+                    view, mapping = map_read_only(Path(handle["path"]), handle["size"])
+                    del view
+                    mapping.close()
+                except OSError as exc:
+                    problems.append(f"leased arena missing: {exc}")
+                http.delete(f"/v1/leases/{grant['lease']['id']}")
+                with lock:
+                    counts["granted"] += 1
+
+    def unloader() -> None:
+        with httpx.Client(base_url=url, timeout=10) as http:
+            while time.monotonic() < stop:
+                r = http.delete("/v1/models/tiny")
+                with lock:
+                    if r.status_code == 204:
+                        counts["unloaded"] += 1
+                    elif r.status_code == 409:
+                        counts["in_use"] += 1
+                if r.status_code == 204:
+                    r = http.post("/v1/models", json={"path": str(tiny_fp8), "id": "tiny"})
+                    if r.status_code == 202:
+                        with lock:
+                            counts["reloaded"] += 1
+                elif r.status_code not in (404, 409):
+                    problems.append(f"unload: {r.status_code} {r.text[:200]}")
+
+    threads = [threading.Thread(target=leaser) for _ in range(3)] + [
+        threading.Thread(target=unloader)
+    ]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert problems == []
+        assert counts["granted"] > 20 and counts["unloaded"] > 2 and counts["in_use"] > 2, counts
+        assert httpx.get(f"{url}/health").status_code == 200
+        wait_for(lambda: httpx.get(f"{url}/v1/leases").json() == [])
+        models = httpx.get(f"{url}/v1/models").json()
+        arenas = len(list(daemon.shm_dir.iterdir()))
+        assert arenas == sum(1 for m in models if m["state"] == "ready")  # nothing leaked
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_corrupt_float_data_is_refused_at_load(tmp_path: Path, tiny_pc: Path, bad: float) -> None:
+    from service.checkpoint import Checkpoint
+    from service.errors import CorruptFileError
+    from service.processing import load_processed, plan_model
+
+    path = tmp_path / "c"
+    path.mkdir()
+    for f in tiny_pc.iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.layers.1.self_attn.q_proj.weight"].view(torch.uint8)[0, 0] = 0x7F
+    tensors["model.embed_tokens.weight"][0, 0] = bad
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with Checkpoint.open(path) as ckpt, pytest.raises(CorruptFileError) as err:
+        load_processed(ckpt, plan_model(ckpt))
+    assert err.value.extra["tensor"] == "model.layers.1.self_attn.q_proj.weight"

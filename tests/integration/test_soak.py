@@ -1,0 +1,90 @@
+"""Soak: 10,000 lease/renew/release cycles from several client processes against one daemon;
+afterwards the daemon's open files, shared-memory files, threads and resident memory are back
+where they started."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine_client.client import ClientConfig, DaemonClient
+from tests.daemon_process import DaemonProcess, start_daemon
+
+CYCLES = 10_000
+PROCESSES = 4
+
+
+def _cycles(url: str, count: int, errors: multiprocessing.Queue) -> None:
+    failures = 0
+    with DaemonClient(ClientConfig(url=url)) as client:
+        for _ in range(count):
+            try:
+                grant = client.lease("tiny", ttl_s=30)
+                client.renew(grant.lease.id, ttl_s=60)
+                client.release(grant.lease.id)
+            except Exception:
+                failures += 1
+    errors.put(failures)
+
+
+def footprint(daemon: DaemonProcess) -> dict[str, int]:
+    pid = daemon.process.pid
+    status = Path(f"/proc/{pid}/status").read_text()
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    return {
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "threads": int(fields["Threads"]),
+        "rss_kib": int(fields["VmRSS"].split()[0]),
+        "shm_files": len(list(daemon.shm_dir.iterdir())),
+        "leases": len(httpx.get(f"{daemon.url}/v1/leases").json()),
+    }
+
+
+def settle(daemon: DaemonProcess) -> dict[str, int]:
+    time.sleep(1.0)  # keep-alive connections of finished clients close on the server side
+    return footprint(daemon)
+
+
+@pytest.mark.slow
+def test_soak_leaves_no_trace(tmp_path: Path, tiny_fp8: Path, capsys) -> None:
+    daemon = start_daemon(tmp_path, [tiny_fp8], "--model-id", "tiny")
+    try:
+        ctx = multiprocessing.get_context("spawn")
+        errors = ctx.Queue()
+        warm = ctx.Process(target=_cycles, args=(daemon.url, 300, errors))
+        warm.start()
+        warm.join()
+        assert errors.get() == 0
+        before = settle(daemon)
+        start = time.perf_counter()
+        procs = [
+            ctx.Process(target=_cycles, args=(daemon.url, CYCLES // PROCESSES, errors))
+            for _ in range(PROCESSES)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        elapsed = time.perf_counter() - start
+        failures = sum(errors.get() for _ in procs)
+        after = settle(daemon)
+        metrics = httpx.get(f"{daemon.url}/metrics").text
+    finally:
+        daemon.stop()
+    with capsys.disabled():
+        print(
+            f"\nsoak: {CYCLES} cycles from {PROCESSES} processes in {elapsed:.1f} s "
+            f"({CYCLES / elapsed:.0f}/s), failures {failures}; before {before}; after {after}"
+        )
+    assert failures == 0
+    assert f"weight_cache_leases_granted_total {CYCLES + 300}.0" in metrics
+    assert after["leases"] == before["leases"] == 0
+    assert after["shm_files"] == before["shm_files"] == 1
+    assert after["fds"] == before["fds"]
+    assert after["threads"] == before["threads"]
+    assert after["rss_kib"] - before["rss_kib"] < 16 * 1024, (before, after)
