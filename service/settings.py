@@ -14,7 +14,9 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 class DaemonSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="WEIGHT_CACHE_", extra="forbid")
+    model_config = SettingsConfigDict(
+        env_prefix="WEIGHT_CACHE_", extra="forbid", env_ignore_empty=True
+    )
 
     host: str = "127.0.0.1"
     port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)

