@@ -49,11 +49,18 @@ def _pick_model(client: DaemonClient) -> str:
 
 @click.command("attach")
 @click.option(
-    "--url", envvar="WEIGHT_CACHE_URL", default="http://127.0.0.1:8470", show_default=True
+    "--url",
+    envvar="WEIGHT_CACHE_URL",
+    default="http://127.0.0.1:8470",
+    show_default=True,
+    help="Daemon URL.",
 )
 @click.option("--uds", envvar="WEIGHT_CACHE_UDS", help="Daemon Unix socket (instead of --url).")
 @click.option(
-    "--token-file", envvar="WEIGHT_CACHE_TOKEN_FILE", type=click.Path(exists=True, dir_okay=False)
+    "--token-file",
+    envvar="WEIGHT_CACHE_TOKEN_FILE",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Bearer token file.",
 )
 @click.option("--model", "model_id", help="Model id (default: the only ready model).")
 @click.option("--tp-rank", type=int, default=0, show_default=True)

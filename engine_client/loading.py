@@ -50,7 +50,7 @@ _PROM = _prometheus_counter()
 def fallback_reason(error: WeightCacheError) -> str:
     """The stated reason: a verification's own reason code, else the error's code."""
     reason = error.extra.get("reason")
-    if error.code in ("verification_failed", "unsupported_layer") and reason:
+    if error.code == "verification_failed" and reason:
         return str(reason)
     return error.code
 

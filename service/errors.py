@@ -250,9 +250,3 @@ class VerificationError(WeightCacheError):
     @property
     def reason(self) -> str:
         return str(self.extra.get("reason", "unknown"))
-
-
-class UnsupportedLayerError(WeightCacheError):
-    code = "unsupported_layer"
-    status = 422
-    title = "Layer cannot be taken pre-processed"

@@ -24,7 +24,20 @@ from service.version import __version__
     help="Logging level for this command.",
 )
 def cli(log_level: str) -> None:
-    """Keep ModelOpt FP8 weights processed and resident; lend them to vLLM engines."""
+    """Keep ModelOpt FP8 weights processed and resident; lend them to vLLM engines.
+
+    \b
+    Quick start:
+      weight-cache serve                  # the built-in demo model on 127.0.0.1:8470
+      curl localhost:8470/health
+      curl localhost:8470/v1/inventory
+      weight-cache status                 # the inventory as a table
+      weight-cache attach --check         # attach as an engine would, compare with disk
+    \b
+    With vLLM: vllm serve CKPT --load-format weight_cache \\
+        --model-loader-extra-config '{"url": "http://127.0.0.1:8470"}'
+    Error codes, metrics and deployment: README.md.
+    """
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -15,3 +15,14 @@ vllm = pytest.importorskip("vllm")
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(pytest.mark.vllm)
+
+
+@pytest.fixture(autouse=True)
+def fresh_rotary_cache():
+    """vLLM caches rotary embeddings per process; tests that build on the meta device must not
+    hand their meta caches to the next test's model."""
+    from vllm.model_executor.layers import rotary_embedding
+
+    rotary_embedding._ROPE_DICT.clear()
+    yield
+    rotary_embedding._ROPE_DICT.clear()
