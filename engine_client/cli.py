@@ -12,7 +12,8 @@ import click
 import torch
 
 from engine_client.attach import attach
-from engine_client.client import ClientConfig, DaemonClient
+from engine_client.cli_options import client_config, daemon_options
+from engine_client.client import DaemonClient
 from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear
 from engine_client.loading import load_from_disk
 from engine_client.verify import Expectations
@@ -48,20 +49,7 @@ def _pick_model(client: DaemonClient) -> str:
 
 
 @click.command("attach")
-@click.option(
-    "--url",
-    envvar="WEIGHT_CACHE_URL",
-    default="http://127.0.0.1:8470",
-    show_default=True,
-    help="Daemon URL.",
-)
-@click.option("--uds", envvar="WEIGHT_CACHE_UDS", help="Daemon Unix socket (instead of --url).")
-@click.option(
-    "--token-file",
-    envvar="WEIGHT_CACHE_TOKEN_FILE",
-    type=click.Path(exists=True, dir_okay=False),
-    help="Bearer token file.",
-)
+@daemon_options
 @click.option("--model", "model_id", help="Model id (default: the only ready model).")
 @click.option("--tp-rank", type=int, default=0, show_default=True)
 @click.option("--tp-size", type=int, default=1, show_default=True)
@@ -90,8 +78,7 @@ def attach_command(
     as_json: bool,
 ) -> None:
     """Attach to a model as an engine would and run every layer on a fixed input."""
-    token = Path(token_file).read_text(encoding="utf-8").strip() if token_file else None
-    config = ClientConfig.from_env(url=url, uds=uds, token=token)
+    config = client_config(url, uds, token_file)
     dev = torch.device(
         "cuda"
         if device == "auto" and torch.cuda.is_available()

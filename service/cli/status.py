@@ -6,6 +6,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from engine_client.cli_options import client_config, daemon_options
 from service.errors import WeightCacheError
 
 
@@ -18,28 +19,12 @@ def _size(n: int) -> str:
 
 
 @click.command("status")
-@click.option(
-    "--url",
-    envvar="WEIGHT_CACHE_URL",
-    default="http://127.0.0.1:8470",
-    show_default=True,
-    help="Daemon URL.",
-)
-@click.option("--uds", envvar="WEIGHT_CACHE_UDS", help="Daemon Unix socket (instead of --url).")
-@click.option(
-    "--token-file",
-    envvar="WEIGHT_CACHE_TOKEN_FILE",
-    type=click.Path(exists=True, dir_okay=False),
-    help="Bearer token file.",
-)
+@daemon_options
 def status(url: str, uds: str | None, token_file: str | None) -> None:
     """Print devices, models and leases held by a running daemon."""
-    from pathlib import Path
+    from engine_client.client import DaemonClient
 
-    from engine_client.client import ClientConfig, DaemonClient
-
-    token = Path(token_file).read_text(encoding="utf-8").strip() if token_file else None
-    config = ClientConfig.from_env(url=url, uds=uds, token=token)
+    config = client_config(url, uds, token_file)
     try:
         with DaemonClient(config) as client:
             inv = client.inventory()
