@@ -18,6 +18,7 @@ import torch
 
 from service.errors import (
     CheckpointNotFoundError,
+    InsufficientMemoryError,
     InvalidRequestError,
     LayoutMismatchError,
     ModelExistsError,
@@ -131,7 +132,10 @@ class Daemon:
         if check_allowed:
             path = self._check_allowed(path)
         model_id = model_id or default_model_id(path)
-        placements = resolve_placements(self.settings.device, tp_size)
+        try:
+            placements = resolve_placements(self.settings.device, tp_size)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), tp_size=tp_size) from exc
         with self.lock:
             if model_id in self.models:
                 raise ModelExistsError(f"model id {model_id!r} is taken", model=model_id)
@@ -144,7 +148,7 @@ class Daemon:
             placements=placements,
             shm_dir=self.settings.shm_dir,
             daemon=self.identity,
-            budget_left=self._budget_left,
+            reserve=lambda nbytes: self._reserve(record, nbytes),
         )
         thread = threading.Thread(
             target=self._load, args=(record, request), name=f"load-{model_id}", daemon=True
@@ -153,12 +157,21 @@ class Daemon:
         thread.start()
         return record
 
-    def _budget_left(self) -> int | None:
+    def _reserve(self, record: ModelRecord, nbytes: int) -> None:
+        """Claim budget for a load before it allocates, so concurrent loads cannot together
+        exceed it; the claim lasts as long as the record (a failed load gives it back)."""
         budget = self.settings.memory_budget_bytes
-        if budget is None:
-            return None
         with self.lock:
-            return budget - sum(r.bytes_resident for r in self.models.values())
+            if budget is not None:
+                claimed = sum(r.reserved_bytes for r in self.models.values() if r is not record)
+                if claimed + nbytes > budget:
+                    raise InsufficientMemoryError(
+                        f"model needs {nbytes} bytes but the memory budget has "
+                        f"{budget - claimed} left",
+                        needed=nbytes,
+                        available=budget - claimed,
+                    )
+            record.reserved_bytes = nbytes
 
     def _load(self, record: ModelRecord, request: LoadRequest) -> None:
         log.info("loading %s from %s (tp_size %d)", record.id, record.path, record.tp_size)
@@ -191,6 +204,7 @@ class Daemon:
         with self.lock:
             record.error = exc
             record.state = ModelState.failed
+            record.reserved_bytes = 0
             record.load_seconds = time.monotonic() - record.started_at
         log.error("loading %s failed: %s", record.id, exc)
 

@@ -37,6 +37,9 @@ class DaemonSettings(BaseSettings):
     reaper_interval_s: float = Field(default=1.0, gt=0)
     memory_budget_bytes: int | None = Field(default=None, ge=0)
     max_body_bytes: int = Field(default=64 * 1024, ge=1024)
+    load_threads: int | None = Field(
+        default=None, ge=1, description="threads that process a load (default: cores - 1)"
+    )
 
     @field_validator("device")
     @classmethod

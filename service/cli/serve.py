@@ -25,6 +25,20 @@ def _demo_checkpoint(cache_dir: Path) -> Path:
     return path
 
 
+def keep_responsive(load_threads: int | None) -> None:
+    """Loads run in a worker thread beside the event loop. Leave the loop a core (torch's
+    intra-op threads do the processing) and hand the GIL over more often than the default 5 ms,
+    so /health and leases answer promptly during a cold load."""
+    import os
+    import sys
+
+    import torch
+
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(load_threads or max(1, cores - 1))
+    sys.setswitchinterval(0.001)
+
+
 def build_settings(**flags: Any) -> DaemonSettings:
     """Environment first, flags given on the command line over it, the demo model if none."""
     given = {k: v for k, v in flags.items() if v not in (None, ())}
@@ -82,6 +96,7 @@ def serve(**flags: Any) -> None:
         settings.check_exposure()
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    keep_responsive(settings.load_threads)
     app = create_app(settings)
     where = str(settings.uds) if settings.uds else f"http://{settings.host}:{settings.port}"
     log.info("weight-cache daemon on %s (device %s)", where, settings.device)

@@ -70,7 +70,8 @@ class LoadRequest:
     placements: list[Placement]
     shm_dir: Path
     daemon: DaemonIdentity
-    budget_left: Callable[[], int | None]  # bytes the cache may still take, None if unbounded
+    # Claims bytes of the daemon's memory budget for this load; raises if they do not fit.
+    reserve: Callable[[int], None]
 
 
 class _Writer:
@@ -102,13 +103,7 @@ class _Writer:
 
 
 def _check_budget(req: LoadRequest, needed: int) -> None:
-    left = req.budget_left()
-    if left is not None and needed > left:
-        raise InsufficientMemoryError(
-            f"model needs {needed} bytes but the memory budget has {left} left",
-            needed=needed,
-            available=left,
-        )
+    req.reserve(needed)
     for placement in set(req.placements):
         if placement.kind is DeviceKind.cuda:
             assert placement.index is not None

@@ -25,6 +25,7 @@ class ModelRecord:
     fingerprint: str | None = None
     started_at: float = field(default_factory=time.monotonic)
     load_seconds: float | None = None
+    reserved_bytes: int = 0  # memory budget claimed by this model (its arenas, once planned)
 
     @property
     def bytes_resident(self) -> int:

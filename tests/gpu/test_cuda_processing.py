@@ -57,7 +57,7 @@ def test_cuda_arena_holds_the_ordinary_load(
         tp_size=1,
         placements=[Placement(DeviceKind.cuda, 0)],
         shm_dir=tmp_path,
-        budget_left=lambda: None,
+        reserve=lambda nbytes: None,
         daemon=DaemonIdentity(
             boot_id="b",
             protocol_version=1,

@@ -168,3 +168,17 @@ def test_memory_budget_refuses_before_allocating(serve, tiny_pc: Path) -> None:
     after = served.snapshot()
     assert after["shm_files"] == before["shm_files"]
     assert served.client.get("/v1/inventory").json()["memory_budget"] == 200_000
+
+
+def test_concurrent_loads_cannot_overrun_the_budget(serve, tiny_pc: Path, tiny_fp8: Path) -> None:
+    """Two loads at once, each fitting the budget alone but not together: one is refused."""
+    served = serve(models=[], memory_budget_bytes=150_000)
+    for name, path in (("a", tiny_pc), ("b", tiny_fp8)):
+        assert (
+            served.client.post("/v1/models", json={"path": str(path), "id": name}).status_code
+            == 202
+        )
+    states = sorted((served.wait_ready(m)["state"], served.wait_ready(m)["error"]) for m in "ab")
+    assert [s for s, _ in states] == ["failed", "ready"]
+    assert states[0][1]["code"] == "insufficient_memory"
+    assert served.client.get("/v1/inventory").json()["cache_bytes"] <= 150_000
