@@ -17,7 +17,7 @@ from service.checkpoint.architecture import PACKED_MODULES
 from service.checkpoint.quant_config import FP8, FP8_PER_CHANNEL_PER_TOKEN, QuantConfig
 from service.errors import VerificationError
 from service.memory.checksum import storage_checksum
-from service.memory.devices import Placement, cuda_uuid, host_id
+from service.memory.devices import cuda_uuid, host_id
 from service.schemas.layout import Kernel, LayerLayout, Scheme, WeightFormat
 from service.schemas.manifest import DeviceKind, Manifest
 from service.version import PROTOCOL_VERSION
@@ -184,10 +184,3 @@ def verify_checksums(manifest: Manifest, storages: dict[str, torch.Tensor]) -> N
                 expected=t.checksum,
                 got=got,
             )
-
-
-def engine_placement(device: torch.device) -> Placement:
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return Placement(DeviceKind.cuda, index)
-    return Placement(DeviceKind.cpu)
