@@ -3,30 +3,36 @@ the shared-memory file mapped read-only."""
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from service.errors import VerificationError
-from service.memory.cuda_ipc import open_cuda_arena
+from service.memory.cuda_ipc import open_cuda_arena, release_cuda_export
 from service.memory.devices import cuda_index_for_uuid
 from service.memory.shm import map_read_only
-from service.schemas.manifest import ArenaDescriptor, CudaIpcHandle
+from service.schemas.manifest import ArenaDescriptor, ArenaHandle, CudaIpcHandle
 
 
 @dataclass
 class OpenedArena:
-    base: torch.Tensor  # the whole arena, 1-D uint8, zero-copy
-    mapping: mmap.mmap | None = None
+    """The whole arena as a 1-D uint8 tensor, zero-copy. Every tensor rebuilt from it keeps the
+    mapping (IPC or mmap) alive: closing only lets go of this reference, so memory still bound
+    to an engine's parameters is never unmapped under them."""
+
+    base: torch.Tensor | None
 
     def close(self) -> None:
-        del self.base
-        if self.mapping is not None:
-            with contextlib.suppress(BufferError):  # tensors still alive keep it mapped
-                self.mapping.close()
+        self.base = None
+
+
+def release_unopened(handle: ArenaHandle) -> None:
+    """Decrement torch's IPC reference count of a CUDA export this process will not open (a
+    lease refused on verification). Opening and later dropping the handle does this; without
+    either, the daemon could never free that memory after an unload."""
+    if isinstance(handle, CudaIpcHandle):
+        release_cuda_export(handle)
 
 
 def open_arena(descriptor: ArenaDescriptor) -> OpenedArena:
@@ -40,5 +46,4 @@ def open_arena(descriptor: ArenaDescriptor) -> OpenedArena:
                 leased=handle.device_uuid,
             )
         return OpenedArena(open_cuda_arena(handle, index))
-    base, mapping = map_read_only(Path(handle.path), handle.size)
-    return OpenedArena(base, mapping)
+    return OpenedArena(map_read_only(Path(handle.path), handle.size))

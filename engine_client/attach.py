@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine_client.arenas import OpenedArena, open_arena
+from engine_client.arenas import OpenedArena, open_arena, release_unopened
 from engine_client.client import ClientConfig, DaemonClient
 from engine_client.fp8_linear import Fp8LinearWeights
 from engine_client.verify import Expectations, Reason, verify_checksums, verify_manifest
@@ -85,6 +85,8 @@ class LeaseKeeper(threading.Thread):
                 self.renewals += 1
 
     def _lose(self, error: WeightCacheError) -> None:
+        if self.stopped.is_set():  # closing raced a renewal: the lease was given up on purpose
+            return
         self.error = error
         log.error("lease %s lost: %s", self.lease_id, error)
         self.on_lost(error)
@@ -105,7 +107,7 @@ def _rebuild(
     return views, storages
 
 
-@dataclass
+@dataclass(eq=False)  # identity: one attachment is one lease
 class Attachment:
     """Leased, verified, zero-copy tensors. Close it (or leave the ``with`` block) to release."""
 
@@ -142,11 +144,13 @@ class Attachment:
 
     def zero_copy(self) -> bool:
         """Whether every tensor points into the mapped arena at its manifest offset."""
-        base = self.arena.base.data_ptr()
+        arena = self.arena.base
+        if arena is None:
+            return False
+        base, storage = arena.data_ptr(), arena.untyped_storage().data_ptr()
         return all(
             self.tensors[t.name].data_ptr() == base + t.offset
-            and self.tensors[t.name].untyped_storage().data_ptr()
-            == self.arena.base.untyped_storage().data_ptr()
+            and self.tensors[t.name].untyped_storage().data_ptr() == storage
             for t in self.manifest.tensors
         )
 
@@ -178,9 +182,13 @@ class Attachment:
         self.close()
 
 
-def _close_at_exit(ref: weakref.ReferenceType[Attachment]) -> None:
-    attachment = ref()
-    if attachment is not None:
+_OPEN: weakref.WeakSet[Attachment] = weakref.WeakSet()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Release the leases still held when the process exits (their memory stays mapped)."""
+    for attachment in list(_OPEN):
         attachment.close()
 
 
@@ -212,6 +220,7 @@ def attach(
             arena = open_arena(manifest.arenas[0])
             timings.open_ms = (time.perf_counter() - start) * 1e3
             start = time.perf_counter()
+            assert arena.base is not None
             tensors, storages = _rebuild(manifest, arena.base)
             timings.rebuild_ms = (time.perf_counter() - start) * 1e3
             if expect.verify_checksums:
@@ -219,6 +228,8 @@ def attach(
                 verify_checksums(manifest, storages)
                 timings.checksum_ms = (time.perf_counter() - start) * 1e3
         except BaseException:
+            if arena is None:  # the handle was never opened: give back torch's IPC count
+                release_unopened(grant.full_manifest().arenas[0].handle)
             with contextlib.suppress(WeightCacheError):
                 client.release(grant.lease.id)
             if arena is not None:
@@ -235,5 +246,5 @@ def attach(
             config, grant.lease.id, grant.lease.ttl_s, attachment._lost, renew_every_s
         )
         attachment.keeper.start()
-    atexit.register(_close_at_exit, weakref.ref(attachment))
+    _OPEN.add(attachment)
     return attachment

@@ -111,7 +111,9 @@ class LayoutCache:
             digest = self._latest.get(key)
             return digest if digest in self._manifests else None
 
-    def complete(self, key: LayoutKey, grant: LeaseGrant) -> LeaseGrant:
+    def complete(self, key: LayoutKey, grant: LeaseGrant) -> LeaseGrant | None:
+        """The grant with its manifest filled in; None if the layout it refers to was evicted
+        meanwhile (the caller then leases again without naming it)."""
         with self._lock:
             if grant.manifest is not None:
                 self._manifests[grant.layout_digest] = grant.manifest
@@ -122,7 +124,7 @@ class LayoutCache:
                 return grant
             cached = self._manifests.get(grant.layout_digest)
         if cached is None:
-            raise DaemonUnavailableError("the daemon omitted a layout this client does not hold")
+            return None
         full = cached.model_copy(update={"arenas": grant.arenas})
         return grant.model_copy(update={"manifest": full})
 
@@ -152,6 +154,14 @@ def _lease_body(
         known_layout=LAYOUTS.known(key) if config.cache_layouts else None,
     )
     return body.model_dump(mode="json", exclude_none=True)
+
+
+def _give_back(grant: LeaseGrant) -> None:
+    """A grant this client will not use: hand back its IPC reference before releasing it."""
+    from engine_client.arenas import release_unopened
+
+    for arena in grant.arenas:
+        release_unopened(arena.handle)
 
 
 _RETRYABLE = (
@@ -214,7 +224,13 @@ class DaemonClient:
         return self._get("/health", Health)
 
     def ready(self) -> Readiness:
-        response = self._http.get("/ready")
+        """Readiness; a 503 answer (still loading, or failed) is a normal answer here."""
+        try:
+            response = self._http.get("/ready")
+        except httpx.HTTPError as exc:
+            raise _unavailable(self.config, exc) from exc
+        if response.status_code not in (200, 503):
+            _raise_for_problem(response)
         return Readiness.model_validate_json(response.content)
 
     def inventory(self) -> Inventory:
@@ -267,7 +283,16 @@ class DaemonClient:
         key = (self.config._base_url() + (self.config.uds or ""), model, tp_rank, tp_size)
         body = _lease_body(self.config, key, kernel, format, ttl_s, client_pid)
         response = self._request("POST", "/v1/leases", idempotent=False, json=body)
-        return LAYOUTS.complete(key, LeaseGrant.model_validate_json(response.content))
+        grant = LeaseGrant.model_validate_json(response.content)
+        full = LAYOUTS.complete(key, grant)
+        if full is None:  # our copy of the layout was evicted meanwhile: give this one back
+            _give_back(grant)
+            self.release(grant.lease.id)
+            body.pop("known_layout")
+            response = self._request("POST", "/v1/leases", idempotent=False, json=body)
+            full = LAYOUTS.complete(key, LeaseGrant.model_validate_json(response.content))
+        assert full is not None  # a grant with its manifest always completes
+        return full
 
     def leases(self) -> list[LeaseInfo]:
         response = self._request("GET", "/v1/leases", idempotent=True)
@@ -355,7 +380,16 @@ class AsyncDaemonClient:
         key = (self.config._base_url() + (self.config.uds or ""), model, tp_rank, tp_size)
         body = _lease_body(self.config, key, kernel, format, ttl_s, client_pid)
         response = await self._request("POST", "/v1/leases", idempotent=False, json=body)
-        return LAYOUTS.complete(key, LeaseGrant.model_validate_json(response.content))
+        grant = LeaseGrant.model_validate_json(response.content)
+        full = LAYOUTS.complete(key, grant)
+        if full is None:  # our copy of the layout was evicted meanwhile: give this one back
+            _give_back(grant)
+            await self.release(grant.lease.id)
+            body.pop("known_layout")
+            response = await self._request("POST", "/v1/leases", idempotent=False, json=body)
+            full = LAYOUTS.complete(key, LeaseGrant.model_validate_json(response.content))
+        assert full is not None  # a grant with its manifest always completes
+        return full
 
     async def renew(self, lease_id: str, ttl_s: float | None = None) -> LeaseInfo:
         body = {"ttl_s": ttl_s} if ttl_s is not None else None

@@ -55,6 +55,16 @@ def fallback_reason(error: WeightCacheError) -> str:
     return error.code
 
 
+def record_fallback(error: WeightCacheError, action: str) -> str:
+    """Log, count and return the reason an engine is not attaching."""
+    reason = fallback_reason(error)
+    FALLBACKS[reason] += 1
+    if _PROM is not None:
+        _PROM.labels(reason=reason).inc()
+    log.warning("weight-cache: %s (%s): %s", action, reason, error.detail)
+    return reason
+
+
 @dataclass
 class LoadResult:
     tensors: dict[str, torch.Tensor]
@@ -83,10 +93,11 @@ def attach_waiting(
         try:
             return attach(model, expect, config=config)
         except ModelLoadingError as exc:
-            pause = float(exc.extra.get("retry_after_s", 1))
-            if time.monotonic() + pause > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise
-            log.info("%s is still loading in the daemon; retrying in %.0f s", model, pause)
+            pause = min(float(exc.extra.get("retry_after_s", 1)), left, 5.0)
+            log.info("%s is still loading in the daemon; retrying in %.1f s", model, pause)
             time.sleep(pause)
 
 
@@ -107,16 +118,7 @@ def load_weights(
     except WeightCacheError as exc:
         if not fallback:
             raise
-        reason = fallback_reason(exc)
-        FALLBACKS[reason] += 1
-        if _PROM is not None:
-            _PROM.labels(reason=reason).inc()
-        log.warning(
-            "weight-cache: loading %s from disk instead of attaching (%s): %s",
-            checkpoint,
-            reason,
-            exc.detail,
-        )
+        reason = record_fallback(exc, f"loading {checkpoint} from disk instead of attaching")
         tensors, layers = load_from_disk(checkpoint, expect.device, expect.tp_rank, expect.tp_size)
         return LoadResult(tensors, layers, "disk", reason, time.perf_counter() - start)
     return LoadResult(

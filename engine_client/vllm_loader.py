@@ -34,10 +34,15 @@ from torch import nn
 
 from engine_client.attach import Attachment
 from engine_client.client import ClientConfig, DaemonClient
-from engine_client.loading import FALLBACKS, attach_waiting, fallback_reason
+from engine_client.loading import attach_waiting, record_fallback
 from engine_client.verify import Expectations, Reason
 from service.checkpoint import Checkpoint, checkpoint_fingerprint
-from service.errors import ModelNotFoundError, VerificationError, WeightCacheError
+from service.errors import (
+    ModelNotFoundError,
+    UnauthorizedError,
+    VerificationError,
+    WeightCacheError,
+)
 from service.schemas.layout import Scheme
 
 log = logging.getLogger(__name__)
@@ -64,7 +69,12 @@ class LoaderOptions(BaseModel):
     def client_config(self) -> ClientConfig:
         token = self.token
         if token is None and self.token_file:
-            token = Path(self.token_file).read_text(encoding="utf-8").strip()
+            try:
+                token = Path(self.token_file).read_text(encoding="utf-8").strip()
+            except OSError as exc:
+                raise UnauthorizedError(
+                    f"cannot read token_file {self.token_file}: {exc.strerror}"
+                ) from exc
         return ClientConfig.from_env(
             url=self.url, uds=self.uds, token=token, timeout_s=self.timeout
         )
@@ -237,7 +247,7 @@ def _register() -> type:
                     m
                     for m in models
                     if m.fingerprint == fingerprint
-                    and m.state.value == "ready"
+                    and m.state.value in ("ready", "loading")
                     and m.tp_size == tp_size
                 ]
             if not chosen:
@@ -254,13 +264,7 @@ def _register() -> type:
             except WeightCacheError as exc:
                 if not self.options.fallback:
                     raise
-                self.fallback_reason = fallback_reason(exc)
-                FALLBACKS[self.fallback_reason] += 1
-                log.warning(
-                    "weight-cache: falling back to vLLM's default loader (%s): %s",
-                    self.fallback_reason,
-                    exc.detail,
-                )
+                self.fallback_reason = record_fallback(exc, "falling back to vLLM's default loader")
                 fallback: nn.Module = self._default().load_model(vllm_config, model_config, prefix)
                 return fallback
             log.info(
@@ -330,6 +334,15 @@ def _register() -> type:
                 finally:
                     for m, method in zip(bound, methods, strict=True):
                         m.quant_method = method
+            except WeightCacheError:
+                attachment.close()
+                raise
+            except Exception as exc:  # vLLM disagreed with the lease: say so, then fall back
+                attachment.close()
+                raise VerificationError(
+                    f"binding the lease to vLLM's model failed: {type(exc).__name__}: {exc}",
+                    reason=Reason.manifest_invalid.value,
+                ) from exc
             except BaseException:
                 attachment.close()
                 raise

@@ -8,7 +8,6 @@ under ``self.lock``, so an arena is never released while a lease on it is active
 from __future__ import annotations
 
 import logging
-import re
 import secrets
 import threading
 import time
@@ -16,11 +15,13 @@ from pathlib import Path
 
 import torch
 
+from service.checkpoint import Checkpoint
 from service.errors import (
     CheckpointNotFoundError,
     InsufficientMemoryError,
     InvalidRequestError,
     LayoutMismatchError,
+    LoadCancelledError,
     ModelExistsError,
     ModelFailedError,
     ModelInUseError,
@@ -33,7 +34,7 @@ from service.memory.devices import device_infos, resolve_placements
 from service.memory.shm import remove_stale_files
 from service.metrics import Metrics
 from service.registry.grant import Grant
-from service.registry.leases import LeaseEnd, LeaseTable
+from service.registry.leases import Lease, LeaseEnd, LeaseTable
 from service.registry.loader import LoadRequest, load_model
 from service.registry.models import ModelRecord
 from service.schemas.health import Health, Readiness
@@ -41,7 +42,7 @@ from service.schemas.inventory import Inventory
 from service.schemas.layout import Kernel, WeightFormat
 from service.schemas.leases import LeaseInfo, LeaseRequest
 from service.schemas.manifest import ArenaDescriptor, DaemonIdentity
-from service.schemas.models import ModelInfo, ModelState
+from service.schemas.models import ModelInfo, ModelState, default_model_id
 from service.settings import DaemonSettings
 from service.version import PROTOCOL_VERSION, __version__
 
@@ -52,11 +53,6 @@ SERVED_KERNEL = Kernel.cutlass
 SERVED_FORMAT = WeightFormat.default
 
 
-def default_model_id(path: Path) -> str:
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", path.resolve().name).lstrip("._-")
-    return (name or "model")[:128]
-
-
 class Daemon:
     def __init__(self, settings: DaemonSettings) -> None:
         self.settings = settings
@@ -64,7 +60,7 @@ class Daemon:
         self.started = time.monotonic()
         self.lock = threading.RLock()
         self.models: dict[str, ModelRecord] = {}
-        self.leases = LeaseTable(self.boot_id)
+        self.leases = LeaseTable(self.boot_id, on_end=self._lease_ended)
         self.startup_models: list[str] = []
         self.metrics = Metrics(self)
         self.identity = DaemonIdentity(
@@ -74,6 +70,7 @@ class Daemon:
             torch_version=torch.__version__,
         )
         self._threads: list[threading.Thread] = []
+        self._draining: set[ModelRecord] = set()  # unloaded while loading, thread still running
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -83,11 +80,17 @@ class Daemon:
             log.info("removed stale shared-memory arena %s", path)
         if torch.cuda.is_available():
             # Opening an expandable-segment handle costs time in proportion to its size.
-            torch.cuda.memory._set_allocator_settings("expandable_segments:False")
-        for i, path in enumerate(self.settings.models):
-            model_id = self.settings.model_id if i == 0 and self.settings.model_id else None
-            record = self.load(path, model_id, self.settings.tp_size, check_allowed=False)
-            self.startup_models.append(record.id)
+            set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+            (set_settings or torch.cuda.memory._set_allocator_settings)("expandable_segments:False")
+        for path, model_id in self.settings.startup_models():
+            self.startup_models.append(model_id)
+            try:
+                self.load(path, model_id, self.settings.tp_size, check_allowed=False)
+            except WeightCacheError as exc:  # reported by /ready, not fatal to the daemon
+                record = ModelRecord(id=model_id, path=path, tp_size=self.settings.tp_size)
+                with self.lock:
+                    self.models[model_id] = record
+                self._load_failed(record, exc)
 
     def shutdown(self) -> None:
         with self.lock:
@@ -121,8 +124,13 @@ class Daemon:
         check(resolved)  # outside the roots: refused before saying whether it exists
         if not resolved.is_dir():
             raise CheckpointNotFoundError("checkpoint directory does not exist", file=str(path))
-        for candidate in resolved.iterdir():
-            check(candidate)
+        try:
+            for candidate in resolved.iterdir():
+                check(candidate)
+        except OSError as exc:
+            raise CheckpointNotFoundError(
+                f"cannot read the checkpoint directory: {exc.strerror}", file=str(path)
+            ) from exc
         return resolved
 
     def load(
@@ -149,6 +157,7 @@ class Daemon:
             shm_dir=self.settings.shm_dir,
             daemon=self.identity,
             reserve=lambda nbytes: self._reserve(record, nbytes),
+            opened=lambda ckpt: self._opened(record, ckpt),
         )
         thread = threading.Thread(
             target=self._load, args=(record, request), name=f"load-{model_id}", daemon=True
@@ -157,13 +166,20 @@ class Daemon:
         thread.start()
         return record
 
+    def _opened(self, record: ModelRecord, ckpt: Checkpoint) -> None:
+        with self.lock:
+            record.architecture = ckpt.dims.architecture
+            record.quant_algo = ckpt.quant.quant_algo
+            record.fingerprint = ckpt.fingerprint
+
     def _reserve(self, record: ModelRecord, nbytes: int) -> None:
         """Claim budget for a load before it allocates, so concurrent loads cannot together
         exceed it; the claim lasts as long as the record (a failed load gives it back)."""
         budget = self.settings.memory_budget_bytes
         with self.lock:
             if budget is not None:
-                claimed = sum(r.reserved_bytes for r in self.models.values() if r is not record)
+                holders = [*self.models.values(), *self._draining]
+                claimed = sum(r.reserved_bytes for r in holders if r is not record)
                 if claimed + nbytes > budget:
                     raise InsufficientMemoryError(
                         f"model needs {nbytes} bytes but the memory budget has "
@@ -174,9 +190,19 @@ class Daemon:
             record.reserved_bytes = nbytes
 
     def _load(self, record: ModelRecord, request: LoadRequest) -> None:
+        try:
+            self._load_into(record, request)
+        finally:
+            with self.lock:
+                self._draining.discard(record)
+
+    def _load_into(self, record: ModelRecord, request: LoadRequest) -> None:
         log.info("loading %s from %s (tp_size %d)", record.id, record.path, record.tp_size)
         try:
-            ckpt, ranks = load_model(request, record.progress)
+            ranks = load_model(request, record.progress)
+        except LoadCancelledError:
+            log.info("loading %s cancelled by an unload", record.id)
+            return
         except WeightCacheError as exc:
             self._load_failed(record, exc)
             return
@@ -190,9 +216,6 @@ class Daemon:
                     rank.arena.release()
                 return
             record.ranks = ranks
-            record.architecture = ckpt.dims.architecture
-            record.quant_algo = ckpt.quant.quant_algo
-            record.fingerprint = ckpt.fingerprint
             record.load_seconds = time.monotonic() - record.started_at
             record.state = ModelState.ready
         self.metrics.load_seconds.observe(record.load_seconds)
@@ -236,8 +259,11 @@ class Daemon:
                     active_leases=active,
                 )
             del self.models[model_id]
-            record.progress.cancelled.set()
-            record.release()
+            if record.state is ModelState.loading:
+                # Its thread is still allocating: its budget claim stands until it stops.
+                self._draining.add(record)
+                record.progress.cancelled.set()
+        record.release()  # outside the lock: unmapping gigabytes takes a while
         log.info("unloaded %s", model_id)
 
     # --- leases --------------------------------------------------------------------------------
@@ -277,11 +303,7 @@ class Daemon:
                 raise InvalidRequestError(
                     f"tp_rank {req.tp_rank} is outside tp_size {record.tp_size}"
                 )
-            ttl = req.ttl_s or self.settings.default_ttl_s
-            if ttl > self.settings.max_ttl_s:
-                raise InvalidRequestError(
-                    f"ttl_s {ttl} exceeds this daemon's maximum of {self.settings.max_ttl_s}"
-                )
+            ttl = self._ttl(req.ttl_s or self.settings.default_ttl_s)
             rank = record.ranks[req.tp_rank]
             handle = rank.arena.export()  # fresh for every lease
             lease = self.leases.add(
@@ -301,11 +323,16 @@ class Daemon:
             self.sweep()
             return [lease.info(self.boot_id) for lease in self.leases.active.values()]
 
-    def renew(self, lease_id: str, ttl_s: float | None) -> LeaseInfo:
-        if ttl_s is not None and ttl_s > self.settings.max_ttl_s:
+    def _ttl(self, ttl_s: float) -> float:
+        if ttl_s > self.settings.max_ttl_s:
             raise InvalidRequestError(
                 f"ttl_s {ttl_s} exceeds this daemon's maximum of {self.settings.max_ttl_s}"
             )
+        return ttl_s
+
+    def renew(self, lease_id: str, ttl_s: float | None) -> LeaseInfo:
+        if ttl_s is not None:
+            self._ttl(ttl_s)
         with self.lock:
             return self.leases.renew(lease_id, ttl_s, self.leases.now()).info(self.boot_id)
 
@@ -313,22 +340,25 @@ class Daemon:
         with self.lock:
             self.leases.get(lease_id, self.leases.now())
             self.leases.end(lease_id, LeaseEnd.released)
-        self.metrics.leases_released.inc()
+
+    def _lease_ended(self, lease: Lease, how: LeaseEnd) -> None:
+        """Every lease's end, however it came (released, expired on access or by the reaper,
+        reaped), is counted here once."""
+        counters = {
+            LeaseEnd.released: self.metrics.leases_released,
+            LeaseEnd.expired: self.metrics.leases_expired,
+            LeaseEnd.reaped: self.metrics.leases_reaped,
+        }
+        counters[how].inc()
+        if how is not LeaseEnd.released:
+            log.info(
+                "lease %s on %s %s (pid %d)", lease.id, lease.model, how.value, lease.client_pid
+            )
 
     def sweep(self) -> None:
         """End expired leases and those whose client died."""
         with self.lock:
             ended = self.leases.sweep(self.leases.now())
-        for lease, how in ended:
-            log.info(
-                "lease %s on %s %s (pid %d)", lease.id, lease.model, how.value, lease.client_pid
-            )
-            counter = (
-                self.metrics.leases_expired
-                if how is LeaseEnd.expired
-                else (self.metrics.leases_reaped)
-            )
-            counter.inc()
         if ended and torch.cuda.is_available():
             torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 
@@ -360,10 +390,17 @@ class Daemon:
 
     def inventory(self) -> Inventory:
         models = self.list_models()
+        with self.lock:
+            in_use = {
+                rank.arena.device.index
+                for record in self.models.values()
+                for rank in record.ranks
+                if rank.arena.device.index is not None
+            }
         return Inventory(
             boot_id=self.boot_id,
             version=__version__,
-            devices=device_infos(self.settings.device, self.settings.shm_dir),
+            devices=device_infos(self.settings.device, self.settings.shm_dir, in_use),
             cache_bytes=sum(m.bytes_resident for m in models),
             memory_budget=self.settings.memory_budget_bytes,
             models=models,

@@ -9,6 +9,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.schemas.models import default_model_id
+
 DEFAULT_PORT = 8470
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -50,12 +52,31 @@ class DaemonSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _token_from_file(self) -> DaemonSettings:
-        if self.token is None and self.token_file is not None:
-            text = self.token_file.read_text(encoding="utf-8").strip()
+        """A token file, when given (by flag or environment), wins over a token value."""
+        if self.token_file is not None:
+            try:
+                text = self.token_file.read_text(encoding="utf-8").strip()
+            except OSError as exc:
+                raise ValueError(f"cannot read token file {self.token_file}: {exc}") from exc
             if not text:
                 raise ValueError(f"token file {self.token_file} is empty")
             self.token = SecretStr(text)
         return self
+
+    def startup_models(self) -> list[tuple[Path, str]]:
+        """(path, id) of every --model; the first takes --model-id. Ids must be unique."""
+        pairs = [
+            (path, self.model_id if i == 0 and self.model_id else default_model_id(path))
+            for i, path in enumerate(self.models)
+        ]
+        ids = [model_id for _, model_id in pairs]
+        if len(set(ids)) != len(ids):
+            dupes = sorted({i for i in ids if ids.count(i) > 1})
+            raise ValueError(
+                f"two --model checkpoints get the same id {', '.join(dupes)}: give the first "
+                "--model-id, or load the others over the API with their own ids"
+            )
+        return pairs
 
     @property
     def is_loopback(self) -> bool:

@@ -103,6 +103,15 @@ def vllm_linear(
         kn = weight.t()
         out["weight_scale"] = torch.cat(scales).to(torch.float32)
 
+    biases = [f"{prefix}.bias" for prefix, _ in shard_prefixes]
+    if all(b in ckpt for b in biases):  # sliced like the output rows, never padded
+        out["bias"] = torch.cat(
+            [
+                load_shard(ckpt[b][:, None], kind, shard_id, tp, rank, num_kv_heads).reshape(-1)
+                for b, (_, shard_id) in zip(biases, shard_prefixes, strict=True)
+            ]
+        )
+
     # CUTLASS: remember N, pad K and N to 16 (weight zeros, per-channel scales 1.0).
     out["logical_output_size"] = kn.shape[1]
     pad_k = (16 - kn.shape[0] % 16) % 16

@@ -50,6 +50,10 @@ def create_app(settings: DaemonSettings, daemon: Daemon | None = None) -> FastAP
         version=__version__,
         summary="Processed ModelOpt FP8 weights, resident on the GPU, lent to vLLM engines.",
         lifespan=lifespan,
+        # The contract is openapi.json (and `weight-cache openapi`); no unauthenticated pages.
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
     app.state.daemon = daemon
     problems.install(app)
@@ -57,5 +61,9 @@ def create_app(settings: DaemonSettings, daemon: Daemon | None = None) -> FastAP
     protected = [Depends(require_token)]
     for router in (inventory.router, models.router, leases.router, metrics.router):
         app.include_router(router, dependencies=protected)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=settings.max_body_bytes,
+        on_refuse=lambda code: daemon.metrics.refusals.labels(code=code).inc(),
+    )
     return app

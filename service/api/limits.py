@@ -3,22 +3,30 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import PayloadTooLargeError
 
 _MEDIA = b"application/problem+json"
+REFUSED = "weight_cache.body_refused"  # scope key set once this middleware has answered
 
 
 class BodySizeLimit:
     """ASGI middleware answering 413 when a body exceeds ``max_bytes`` (declared or streamed)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, on_refuse: Callable[[str], None] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.on_refuse = on_refuse
 
-    async def _refuse(self, send: Send) -> None:
+    async def _refuse(self, scope: Scope, send: Send) -> None:
+        scope[REFUSED] = True  # the app's own answer, if any, is dropped and not counted
+        if self.on_refuse is not None:
+            self.on_refuse(PayloadTooLargeError.code)
         error = PayloadTooLargeError(
             f"request body exceeds {self.max_bytes} bytes", limit=self.max_bytes
         )
@@ -46,7 +54,7 @@ class BodySizeLimit:
                 except ValueError:
                     declared = self.max_bytes + 1
                 if declared > self.max_bytes:
-                    await self._refuse(send)
+                    await self._refuse(scope, send)
                     return
         seen = 0
         refused = False
@@ -59,7 +67,7 @@ class BodySizeLimit:
                 if seen > self.max_bytes and not refused:
                     # Answer now, and tell the app the client went away so it stops reading.
                     refused = True
-                    await self._refuse(send)
+                    await self._refuse(scope, send)
                     return {"type": "http.disconnect"}
             return message
 

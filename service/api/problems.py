@@ -10,10 +10,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.api.limits import REFUSED
 from service.errors import (
     InvalidRequestError,
     ModelLoadingError,
-    NotFoundError,
     WeightCacheError,
 )
 from service.schemas.problem import Problem
@@ -21,8 +21,6 @@ from service.schemas.problem import Problem
 log = logging.getLogger(__name__)
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
-
-_HTTP_CODES = {404: NotFoundError, 405: "method_not_allowed", 401: "unauthorized"}
 
 
 def problem_response(error: WeightCacheError, **headers: str) -> JSONResponse:
@@ -59,7 +57,7 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 def install(app: FastAPI) -> None:
     def count(request: Request, code: str) -> None:
         daemon = getattr(request.app.state, "daemon", None)
-        if daemon is not None:
+        if daemon is not None and not request.scope.get(REFUSED):
             daemon.metrics.refusals.labels(code=code).inc()
 
     @app.exception_handler(WeightCacheError)

@@ -72,16 +72,6 @@ class Checkpoint:
             _reader=TensorReader(tensors),
         )
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The model's activation dtype (``dtype`` in transformers 5, ``torch_dtype`` before)."""
-        name = self.config.get("dtype") or self.config.get("torch_dtype") or "bfloat16"
-        return {"float16": torch.float16, "float32": torch.float32}.get(str(name), torch.bfloat16)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(info.nbytes for info in self.tensors.values())
-
     def read(
         self,
         name: str,

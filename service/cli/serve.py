@@ -90,10 +90,13 @@ def serve(**flags: Any) -> None:
     import uvicorn
 
     from service.api.app import create_app
+    from service.memory.devices import resolve_placements
 
     try:
         settings = build_settings(**flags)
         settings.check_exposure()
+        settings.startup_models()
+        resolve_placements(settings.device, settings.tp_size)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     keep_responsive(settings.load_threads)

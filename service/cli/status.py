@@ -42,7 +42,8 @@ def status(url: str, uds: str | None, token_file: str | None) -> None:
             d.name,
             d.uuid or "-",
             d.compute_capability or "-",
-            f"{_size(d.free_memory)} / {_size(d.total_memory)}",
+            f"{_size(d.free_memory) if d.free_memory is not None else '?'} / "
+            f"{_size(d.total_memory)}",
         )
     console.print(devices)
     models = Table(

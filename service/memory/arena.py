@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from service.errors import InsufficientMemoryError
 from service.memory.cuda_ipc import export_cuda_arena
 from service.memory.devices import Placement
 from service.memory.layout import ArenaLayout
@@ -85,9 +86,14 @@ class ShmArena(Arena):
 class CudaArena(Arena):
     def __init__(self, layout: ArenaLayout, device: DeviceIdentity, index: int) -> None:
         super().__init__(layout, device)
-        self._base: torch.Tensor | None = torch.empty(
-            layout.nbytes, dtype=torch.uint8, device=torch.device("cuda", index)
-        )
+        try:
+            self._base: torch.Tensor | None = torch.empty(
+                layout.nbytes, dtype=torch.uint8, device=torch.device("cuda", index)
+            )
+        except torch.OutOfMemoryError as exc:
+            raise InsufficientMemoryError(
+                f"GPU {index} cannot hold {layout.nbytes} more bytes", needed=layout.nbytes
+            ) from exc
 
     @property
     def base(self) -> torch.Tensor:

@@ -60,6 +60,14 @@ def export_cuda_arena(base: torch.Tensor, device_uuid: str) -> CudaIpcHandle:
     )
 
 
+def release_cuda_export(handle: CudaIpcHandle) -> None:
+    """What a consumer does when it drops a rebuilt storage, without opening it: decrement the
+    export's slot in torch's reference-counter file, so the producer can free the memory."""
+    torch.UntypedStorage._release_ipc_counter_cuda(
+        _unb64(handle.ref_counter_handle), handle.ref_counter_offset
+    )
+
+
 def open_cuda_arena(handle: CudaIpcHandle, device_index: int) -> torch.Tensor:
     """Map a leased arena into this process on its own CUDA ``device_index`` (zero copy)."""
     tensor: torch.Tensor = rebuild_cuda_tensor(  # type: ignore[no-untyped-call]

@@ -50,10 +50,6 @@ class Placement:
     kind: DeviceKind
     index: int | None = None
 
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device("cpu") if self.index is None else torch.device("cuda", self.index)
-
     def identity(self) -> DeviceIdentity:
         if self.kind is DeviceKind.cpu:
             return DeviceIdentity(
@@ -94,8 +90,22 @@ def resolve_placements(device: str, tp_size: int) -> list[Placement]:
     return [Placement(DeviceKind.cuda, index)] * tp_size
 
 
-def device_infos(device: str, shm_dir: Path) -> list[DeviceInfo]:
-    """Every device the daemon may place arenas on, with its memory."""
+def _free_without_a_context(uuid: str) -> int | None:
+    """Free memory from NVML (nvidia-ml-py, when installed): asking torch would create a CUDA
+    context, hundreds of MiB, on every GPU the daemon never uses."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+    except Exception:  # not installed, no driver access: unknown, not an error
+        return None
+
+
+def device_infos(device: str, shm_dir: Path, in_use: set[int]) -> list[DeviceInfo]:
+    """Every device the daemon may place arenas on, with its memory. Free memory comes from
+    torch only for GPUs already holding arenas (``in_use``), else from NVML if it can."""
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         usage = shutil.disk_usage(shm_dir)
         ident = Placement(DeviceKind.cpu).identity()
@@ -117,7 +127,13 @@ def device_infos(device: str, shm_dir: Path) -> list[DeviceInfo]:
     infos = []
     for index in indices:
         ident = Placement(DeviceKind.cuda, index).identity()
-        free, total = torch.cuda.mem_get_info(index)
+        total = torch.cuda.get_device_properties(index).total_memory
+        assert ident.uuid is not None
+        free = (
+            torch.cuda.mem_get_info(index)[0]
+            if index in in_use
+            else _free_without_a_context(ident.uuid)
+        )
         infos.append(
             DeviceInfo(
                 kind=ident.kind,

@@ -11,7 +11,6 @@ leaves existing mappings intact, so memory is never freed under an engine.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import mmap
 import os
@@ -21,6 +20,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from service.errors import InsufficientMemoryError
 
 FILE_PREFIX = "weight-cache-"
 
@@ -46,6 +47,13 @@ class ShmFile:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(fd, nbytes)
+            try:  # reserve the pages now: a full tmpfs must fail here, not SIGBUS later
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                raise InsufficientMemoryError(
+                    f"cannot reserve {nbytes} bytes in {directory}: {exc.strerror}",
+                    needed=nbytes,
+                ) from exc
             self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             staging.rename(self.path)
         except BaseException:
@@ -54,18 +62,20 @@ class ShmFile:
             raise
         self._fd = fd  # held open: the lock says a live daemon owns this file
         self.tensor = _frombuffer(self._map)
+        del self._map  # the tensor holds the mapping; it is unmapped with the last view
 
     def close(self) -> None:
-        """Unmap and unlink; engines that mapped it keep their pages until they unmap."""
+        """Unlink and drop the mapping (unmapped once no view of it is left); engines that
+        mapped the file keep their pages until they unmap."""
         del self.tensor
         self.path.unlink(missing_ok=True)
-        with contextlib.suppress(BufferError):  # a view still alive keeps the mapping
-            self._map.close()
         os.close(self._fd)
 
 
-def map_read_only(path: Path, nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
-    """Map an arena file read-only in an engine; returns the byte tensor and its mapping."""
+def map_read_only(path: Path, nbytes: int) -> torch.Tensor:
+    """Map an arena file read-only in an engine, as a byte tensor. The tensor (and every view
+    of it) keeps the mapping alive; it is unmapped when the last one is gone, never under
+    them."""
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
@@ -74,7 +84,7 @@ def map_read_only(path: Path, nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
         mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
     finally:
         os.close(fd)
-    return _frombuffer(mapping), mapping
+    return _frombuffer(mapping)
 
 
 def remove_stale_files(directory: Path) -> list[Path]:

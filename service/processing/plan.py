@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.checkpoint import FP8, FP8_PER_CHANNEL_PER_TOKEN, Checkpoint, LinearSpec
+from service.checkpoint import FP8, Checkpoint, LinearSpec
 from service.checkpoint.architecture import PACKED_MODULES, kv_scale_names, linear_specs
 from service.checkpoint.safetensors_files import TensorInfo
 from service.errors import (
@@ -349,8 +349,6 @@ def plan_model(ckpt: Checkpoint, tp_size: int = 1, tp_rank: int = 0) -> ModelPla
     check_tp_size(ckpt.dims, tp_size)
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} outside [0, {tp_size})")
-    if ckpt.quant.quant_algo not in (FP8, FP8_PER_CHANNEL_PER_TOKEN):
-        raise UnsupportedQuantAlgoError(f"quant_algo {ckpt.quant.quant_algo} is not supported")
     planner = _Planner(ckpt, tp_size, tp_rank)
     linears = [planner.linear(spec) for spec in linear_specs(ckpt.dims)]
     kv = planner.kv_scales()

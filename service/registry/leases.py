@@ -12,6 +12,7 @@ import enum
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.errors import DaemonRestartedError, LeaseExpiredError, LeaseNotFoundError
@@ -59,8 +60,11 @@ class Lease:
 class LeaseTable:
     """Active leases and the recently ended ones. Callers hold the daemon lock."""
 
-    def __init__(self, boot_id: str) -> None:
+    def __init__(
+        self, boot_id: str, on_end: Callable[[Lease, LeaseEnd], None] | None = None
+    ) -> None:
         self.boot_id = boot_id
+        self.on_end = on_end
         self.active: dict[str, Lease] = {}
         self.ended: OrderedDict[str, LeaseEnd] = OrderedDict()
 
@@ -113,6 +117,8 @@ class LeaseTable:
             self.ended[lease_id] = how
             while len(self.ended) > _REMEMBERED_ENDINGS:
                 self.ended.popitem(last=False)
+            if self.on_end is not None:
+                self.on_end(lease, how)
         return lease
 
     def count(self, model: str | None = None) -> int:

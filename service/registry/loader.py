@@ -53,7 +53,6 @@ class ResidentRank:
     The manifest's JSON is rendered once here: a lease only adds its own handle to it.
     """
 
-    rank: int
     arena: Arena
     manifest: Manifest
     manifest_json: bytes = field(init=False, repr=False)
@@ -72,6 +71,8 @@ class LoadRequest:
     daemon: DaemonIdentity
     # Claims bytes of the daemon's memory budget for this load; raises if they do not fit.
     reserve: Callable[[int], None]
+    # Told what the checkpoint is as soon as it opened (engines match models by fingerprint).
+    opened: Callable[[Checkpoint], None]
 
 
 class _Writer:
@@ -163,10 +164,11 @@ def _manifest(
     return manifest.model_copy(update={"layout_digest": xxhash.xxh3_128_hexdigest(layout)})
 
 
-def load_model(req: LoadRequest, progress: Progress) -> tuple[Checkpoint, list[ResidentRank]]:
+def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
     """Load every rank of a model; raises a typed error and holds nothing on failure."""
     arenas: list[Arena] = []
     ckpt = Checkpoint.open(req.path)
+    req.opened(ckpt)
     try:
         plans = [plan_model(ckpt, req.tp_size, rank) for rank in range(req.tp_size)]
         layouts = [pack(plan.specs) for plan in plans]
@@ -203,12 +205,8 @@ def load_model(req: LoadRequest, progress: Progress) -> tuple[Checkpoint, list[R
             execute_plan(ckpt, plan, writer.storage_for, advance)
             if placement.kind is DeviceKind.cuda:
                 torch.cuda.synchronize(placement.index)
-            ranks.append(
-                ResidentRank(
-                    plan.tp_rank, arena, _manifest(req, ckpt, plan, arena, writer.checksums)
-                )
-            )
-        return ckpt, ranks
+            ranks.append(ResidentRank(arena, _manifest(req, ckpt, plan, arena, writer.checksums)))
+        return ranks
     except BaseException:
         for arena in arenas:
             arena.release()

@@ -11,7 +11,7 @@ from service.registry.loader import Progress, ResidentRank
 from service.schemas.models import LoadProgress, ModelError, ModelInfo, ModelState
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a record is one load, however alike two look
 class ModelRecord:
     id: str
     path: Path

@@ -14,7 +14,7 @@ class DeviceInfo(BaseModel):
     uuid: str | None
     compute_capability: str | None
     total_memory: int = Field(description="bytes; shared-memory capacity on the CPU")
-    free_memory: int
+    free_memory: int | None = Field(description="bytes; null when unknown without a CUDA context")
 
 
 class Inventory(BaseModel):

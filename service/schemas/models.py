@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import enum
+import re
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
 MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+def default_model_id(path: Path) -> str:
+    """A valid model id made from a checkpoint's directory name."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", path.resolve().name).lstrip("._-")
+    return (name or "model")[:128]
 
 
 class ModelState(str, enum.Enum):
@@ -18,7 +26,9 @@ class ModelState(str, enum.Enum):
 class LoadModelRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field(min_length=1, max_length=4096, description="checkpoint directory")
+    path: str = Field(
+        min_length=1, max_length=4096, pattern=r"^[^\x00]+$", description="checkpoint directory"
+    )
     id: str | None = Field(default=None, pattern=MODEL_ID_PATTERN)
     tp_size: int = Field(default=1, ge=1, le=64)
 

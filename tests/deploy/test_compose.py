@@ -63,6 +63,7 @@ def test_daemon_service(compose: dict[str, Any]) -> None:
     assert daemon["restart"] == "unless-stopped"
     (gpu,) = daemon["deploy"]["resources"]["reservations"]["devices"]
     assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
+    assert str(gpu["count"]) == "1"  # one GPU per TP rank
     args = daemon["command"]
     assert args[args.index("--allowed-root") + 1] == "/models"
 

@@ -123,3 +123,14 @@ def test_kernel_the_daemon_did_not_process_for(daemon_process, tiny_fp8) -> None
         attach("tiny", expectations(tiny_fp8, kernel="marlin"), config=config)
     assert err.value.extra["mismatches"]["kernel"] == {"requested": "marlin", "served": "cutlass"}
     assert active_leases(daemon_process) == []
+
+
+def test_tensors_outlive_their_attachment(daemon_process, tiny_fp8) -> None:
+    """Closing releases the lease but never unmaps memory a caller still holds (an engine's
+    parameters): reading it afterwards is safe and sees the same bytes."""
+    att = attach("tiny", expectations(tiny_fp8), config=ClientConfig(url=daemon_process.url))
+    weight = att.tensors[att.layers[0].weight]
+    before = weight.float().sum().item()
+    att.close()
+    assert active_leases(daemon_process) == []
+    assert weight.float().sum().item() == before

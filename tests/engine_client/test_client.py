@@ -121,17 +121,57 @@ async def test_async_client(daemon_process) -> None:
             await client.lease("ghost")
 
 
-def test_layouts_are_fetched_once_per_process(daemon_process) -> None:
+def test_layouts_are_fetched_once_per_process(daemon_process, monkeypatch) -> None:
     from engine_client.client import LAYOUTS
 
+    slim: list[bool] = []
+    real_complete = LAYOUTS.complete
+
+    def observed(key, grant):  # records whether the daemon sent the layout, then completes it
+        slim.append(grant.manifest is None)
+        return real_complete(key, grant)
+
+    monkeypatch.setattr(LAYOUTS, "complete", observed)
     config = ClientConfig(url=daemon_process.url)
     with DaemonClient(config) as client:
         first = client.lease("tiny", ttl_s=5)
         key = (f"{daemon_process.url}", "tiny", 0, 1)
         assert LAYOUTS.known(key) == first.layout_digest
         second = client.lease("tiny", ttl_s=5)
+    assert slim == [False, True]
     assert second.full_manifest().tensors == first.full_manifest().tensors
     assert second.full_manifest().layers == first.full_manifest().layers
     assert second.full_manifest().arenas == second.arenas  # completed with its own handles
     with DaemonClient(ClientConfig(url=daemon_process.url, cache_layouts=False)) as client:
         assert client.lease("tiny", ttl_s=5).manifest is not None
+
+
+def test_a_layout_evicted_mid_lease_is_fetched_again(daemon_process, monkeypatch) -> None:
+    """The client named a layout, but lost its copy before the answer came: it gives that lease
+    back and leases again with the full manifest, leaving one lease, not two."""
+    from engine_client.client import LAYOUTS
+
+    config = ClientConfig(url=daemon_process.url)
+    with DaemonClient(config) as client:
+        digest = client.lease("tiny", ttl_s=30).layout_digest
+        for lease in client.leases():
+            client.release(lease.id)
+        monkeypatch.setattr(LAYOUTS, "known", lambda key: digest)
+        LAYOUTS._manifests.clear()
+        grant = client.lease("tiny", ttl_s=30)
+        assert grant.full_manifest().layout_digest == digest
+        assert [lease.id for lease in client.leases()] == [grant.lease.id]
+
+
+def test_ready_reports_loading_without_raising(tmp_path: Path, tiny_fp8: Path) -> None:
+    daemon = start_daemon(tmp_path, [tiny_fp8], "--model-id", "tiny")
+    try:
+        with DaemonClient(ClientConfig(url=daemon.url)) as client:
+            assert client.ready().ready is True
+    finally:
+        daemon.stop()
+    with (
+        DaemonClient(ClientConfig(url=daemon.url, retries=0)) as client,
+        pytest.raises(DaemonUnavailableError),
+    ):
+        client.ready()

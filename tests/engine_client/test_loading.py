@@ -15,7 +15,7 @@ from engine_client.client import ClientConfig
 from engine_client.loading import FALLBACKS, load_from_disk, load_weights
 from engine_client.verify import Expectations
 from service.errors import DaemonUnavailableError
-from tests.daemon_process import free_port, start_daemon
+from tests.daemon_process import free_port
 
 CPU = torch.device("cpu")
 
@@ -65,28 +65,40 @@ def test_no_fallback_raises(tiny_fp8: Path) -> None:
         )
 
 
-def test_waits_for_a_model_still_loading(tmp_path: Path, tiny_fp8: Path, monkeypatch) -> None:
-    daemon = start_daemon(tmp_path, [], "--allowed-root", str(tiny_fp8.parent))
-    try:
-        config = ClientConfig(url=daemon.url)
-        loaded = threading.Timer(
-            0.5,
-            lambda: httpx.post(
-                f"{daemon.url}/v1/models", json={"path": str(tiny_fp8), "id": "late"}
-            ),
-        )
-        # not there yet: model_not_found is a reason to fall back, not to wait
-        result = load_weights(
+def test_waits_for_a_model_still_loading(
+    tmp_path: Path, tiny_fp8: Path, monkeypatch, caplog
+) -> None:
+    """With ``wait_s``, a 503 model_loading answer is retried until the load is done (the load
+    is held open until the engine has been told to wait at least once)."""
+    from service.processing import execute_plan as real_execute
+    from service.settings import DaemonSettings
+    from tests.daemon_process import InProcessDaemon
+
+    gate = threading.Event()
+
+    def held(*args, **kwargs):
+        gate.wait(30)
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr("service.registry.loader.execute_plan", held)
+    settings = DaemonSettings(
+        device="cpu",
+        shm_dir=tmp_path,
+        cache_dir=tmp_path / "cache",
+        allowed_roots=[tiny_fp8.parent],
+    )
+    with InProcessDaemon(settings) as served:
+        config = ClientConfig(url=served.url)
+        httpx.post(f"{served.url}/v1/models", json={"path": str(tiny_fp8), "id": "late"})
+        without_wait = load_weights(
             "late", tiny_fp8, Expectations(CPU, checkpoint=tiny_fp8), config=config
         )
-        assert result.reason == "model_not_found"
-        loaded.start()
-        loaded.join()
-        result = load_weights(
-            "late", tiny_fp8, Expectations(CPU, checkpoint=tiny_fp8), config=config, wait_s=30
-        )
-        assert result.source == "daemon"
-        assert result.attachment is not None
+        assert without_wait.source == "disk" and without_wait.reason == "model_loading"
+        threading.Timer(1.0, gate.set).start()
+        with caplog.at_level(logging.INFO, logger="engine_client.loading"):
+            result = load_weights(
+                "late", tiny_fp8, Expectations(CPU, checkpoint=tiny_fp8), config=config, wait_s=30
+            )
+        assert result.source == "daemon" and result.attachment is not None
+        assert "still loading" in caplog.text
         result.attachment.close()
-    finally:
-        daemon.stop()

@@ -26,6 +26,7 @@ def main() -> None:
     )
     with attach(model, expect, config=ClientConfig(url=url)) as att:
         base = att.arena.base
+        assert base is not None
         report = {
             "zero_copy": att.zero_copy(),
             "device": str(base.device),

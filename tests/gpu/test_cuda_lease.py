@@ -68,3 +68,70 @@ def test_second_process_maps_the_daemons_cuda_arena(
             child.stdin.close()
             assert child.wait(60) == 0
         assert served.daemon.leases.count() == 0  # the child released its lease on close
+
+
+REFUSED_CHILD = """
+import sys, torch
+from pathlib import Path
+from engine_client.attach import attach
+from engine_client.client import ClientConfig
+from engine_client.verify import Expectations
+from service.errors import VerificationError
+try:
+    attach("tiny", Expectations(torch.device("cuda", 0), checkpoint=Path(sys.argv[2])),
+           config=ClientConfig(url=sys.argv[1]))
+except VerificationError as exc:
+    print(exc.reason)
+"""
+
+
+@pytest.mark.parametrize("engine", ["refused", "attached"])
+def test_unloading_frees_the_gpu_memory_engines_let_go(
+    tmp_path: Path, tiny_fp8: Path, tiny_pc: Path, engine: str
+) -> None:
+    """Every export counts one consumer in torch's IPC reference count. An engine that attached
+    and exited, or one that refused the lease without opening it, must both hand their count
+    back, or the daemon could never free the arena after an unload."""
+    settings = DaemonSettings(
+        models=[tiny_fp8],
+        model_id="tiny",
+        device="cuda:0",
+        shm_dir=tmp_path,
+        cache_dir=tmp_path / "cache",
+    )
+    with InProcessDaemon(settings) as served:
+        arena_bytes = served.daemon.models["tiny"].bytes_resident
+        loaded = torch.cuda.memory_allocated(0)
+        if engine == "refused":
+            out = subprocess.run(
+                [sys.executable, "-c", REFUSED_CHILD, served.url, str(tiny_pc)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=True,
+            )
+            assert out.stdout.strip() == "fingerprint_mismatch"
+        else:
+            child = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.gpu.cuda_engine_child",
+                    served.url,
+                    "tiny",
+                    str(tiny_fp8),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert child.stdin is not None and child.stdout is not None
+            assert json.loads(child.stdout.readline())["zero_copy"]
+            child.stdin.write("go\n")
+            child.stdin.close()
+            child.stdout.readline()
+            assert child.wait(60) == 0
+        assert served.daemon.leases.count() == 0
+        served.daemon.unload("tiny")
+        torch.cuda.ipc_collect()
+        assert torch.cuda.memory_allocated(0) <= loaded - arena_bytes

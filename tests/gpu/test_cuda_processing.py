@@ -58,6 +58,7 @@ def test_cuda_arena_holds_the_ordinary_load(
         placements=[Placement(DeviceKind.cuda, 0)],
         shm_dir=tmp_path,
         reserve=lambda nbytes: None,
+        opened=lambda ckpt: None,
         daemon=DaemonIdentity(
             boot_id="b",
             protocol_version=1,
@@ -65,7 +66,7 @@ def test_cuda_arena_holds_the_ordinary_load(
             torch_version=torch.__version__,
         ),
     )
-    _, (rank,) = load_model(request, Progress())
+    (rank,) = load_model(request, Progress())
     try:
         with Checkpoint.open(path) as ckpt:
             plan = plan_model(ckpt)

@@ -49,7 +49,7 @@ def main() -> None:
     if mode == "hold":
         print(json.dumps({"lease": grant.lease.id}), flush=True)
         time.sleep(600)
-    base, _mapping = map_read_only(Path(handle.path), handle.size)
+    base = map_read_only(Path(handle.path), handle.size)
     if mode == "write":
         print("writing", flush=True)
         base[0] = 1  # PROT_READ mapping: this faults

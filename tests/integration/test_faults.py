@@ -153,9 +153,8 @@ def test_unload_racing_leases_never_frees_a_leased_arena(tmp_path: Path, tiny_fp
                 grant = r.json()
                 handle = grant["arenas"][0]["handle"]
                 try:
-                    view, mapping = map_read_only(Path(handle["path"]), handle["size"])
+                    view = map_read_only(Path(handle["path"]), handle["size"])
                     del view
-                    mapping.close()
                 except OSError as exc:
                     problems.append(f"leased arena missing: {exc}")
                 http.delete(f"/v1/leases/{grant['lease']['id']}")
@@ -199,8 +198,19 @@ def test_unload_racing_leases_never_frees_a_leased_arena(tmp_path: Path, tiny_fp
         daemon.stop()
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_corrupt_float_data_is_refused_at_load(tmp_path: Path, tiny_pc: Path, bad: float) -> None:
+@pytest.mark.parametrize(
+    ("tensor", "value"),
+    [
+        ("model.embed_tokens.weight", float("nan")),
+        ("model.embed_tokens.weight", float("inf")),
+        ("model.norm.weight", float("-inf")),
+        ("model.layers.1.self_attn.q_proj.weight", 0x7F),  # an e4m3 NaN code
+        ("model.layers.0.mlp.down_proj.weight", 0xFF),
+    ],
+)
+def test_corrupt_data_is_refused_at_load(
+    tmp_path: Path, tiny_pc: Path, tensor: str, value: float
+) -> None:
     from service.checkpoint import Checkpoint
     from service.errors import CorruptFileError
     from service.processing import load_processed, plan_model
@@ -210,9 +220,13 @@ def test_corrupt_float_data_is_refused_at_load(tmp_path: Path, tiny_pc: Path, ba
     for f in tiny_pc.iterdir():
         (path / f.name).write_bytes(f.read_bytes())
     tensors = load_file(str(path / "model.safetensors"))
-    tensors["model.layers.1.self_attn.q_proj.weight"].view(torch.uint8)[0, 0] = 0x7F
-    tensors["model.embed_tokens.weight"][0, 0] = bad
+    target = tensors[tensor].clone()
+    if target.dtype == torch.float8_e4m3fn:
+        target.view(torch.uint8).reshape(-1)[7] = int(value)
+    else:
+        target.reshape(-1)[7] = value
+    tensors[tensor] = target
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     with Checkpoint.open(path) as ckpt, pytest.raises(CorruptFileError) as err:
         load_processed(ckpt, plan_model(ckpt))
-    assert err.value.extra["tensor"] == "model.layers.1.self_attn.q_proj.weight"
+    assert err.value.extra["tensor"] == tensor

@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Response, status
 from fastapi import Path as PathParam
+from starlette.concurrency import run_in_threadpool
 
 from service.api.problems import problem_responses
 from service.api.routes.deps import get_daemon
@@ -50,5 +51,5 @@ async def get_model(model_id: ModelId, daemon: DaemonDep) -> ModelInfo:
     responses=problem_responses(404, 409),
 )
 async def unload_model(model_id: ModelId, daemon: DaemonDep) -> Response:
-    daemon.unload(model_id)
+    await run_in_threadpool(daemon.unload, model_id)  # freeing gigabytes must not stall others
     return Response(status_code=status.HTTP_204_NO_CONTENT)

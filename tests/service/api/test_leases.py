@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from service.checkpoint import Checkpoint
 from service.memory.shm import map_read_only
@@ -47,7 +48,7 @@ def test_leased_bytes_equal_an_ordinary_load(served: Served, tiny_fp8: Path) -> 
     )
     handle = grant.arenas[0].handle
     assert isinstance(handle, ShmHandle)
-    base, mapping = map_read_only(Path(handle.path), handle.size)
+    base = map_read_only(Path(handle.path), handle.size)
     with Checkpoint.open(tiny_fp8) as ckpt:
         expected = load_processed(ckpt, plan_model(ckpt))
     from service.dtypes import to_torch
@@ -59,11 +60,9 @@ def test_leased_bytes_equal_an_ordinary_load(served: Served, tiny_fp8: Path) -> 
         assert got.shape == want.shape and got.stride() == want.stride(), entry.name
         assert got.dtype == want.dtype
         assert (
-            got.reshape(-1).view(__import__("torch").uint8).tolist()
-            == want.reshape(-1).view(__import__("torch").uint8).tolist()
+            got.reshape(-1).view(torch.uint8).tolist()
+            == want.reshape(-1).view(torch.uint8).tolist()
         ), entry.name
-    del base
-    mapping.close()
 
 
 def test_each_grant_gets_its_own_lease(served: Served) -> None:

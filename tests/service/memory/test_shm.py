@@ -15,14 +15,13 @@ from service.memory.shm import FILE_PREFIX, ShmFile, map_read_only, remove_stale
 def test_read_only_mapping_sees_writes_and_refuses_its_own(tmp_path: Path) -> None:
     arena = ShmFile(tmp_path, "b00t", "m-r0", 4096)
     arena.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
-    view, mapping = map_read_only(arena.path, 4096)
+    view = map_read_only(arena.path, 4096)
     assert view[:4].tolist() == [1, 2, 3, 4]
     arena.tensor[0] = 9  # the daemon's writes are visible: same pages, no copy
     assert view[0].item() == 9
     with pytest.raises(ValueError, match="manifest says"):
         map_read_only(arena.path, 8192)
     del view
-    mapping.close()
     arena.close()
     assert not arena.path.exists()
 
@@ -30,12 +29,21 @@ def test_read_only_mapping_sees_writes_and_refuses_its_own(tmp_path: Path) -> No
 def test_unlinking_keeps_an_engines_mapping(tmp_path: Path) -> None:
     arena = ShmFile(tmp_path, "b00t", "m-r0", 4096)
     arena.tensor.fill_(7)
-    view, mapping = map_read_only(arena.path, 4096)
+    view = map_read_only(arena.path, 4096)
     arena.close()  # the daemon unloads
     assert not arena.path.exists()
     assert int(view.sum()) == 7 * 4096  # memory is not freed under the engine
-    del view
-    mapping.close()
+    slice_ = view[100:200]
+    del view  # the last reference to the whole mapping goes; a slice of it keeps the pages
+    assert int(slice_.sum()) == 7 * 100
+
+
+def test_a_full_tmpfs_is_refused_up_front(tmp_path: Path) -> None:
+    from service.errors import InsufficientMemoryError
+
+    with pytest.raises(InsufficientMemoryError):
+        ShmFile(Path("/dev/shm"), "b00t", "huge", 1 << 50)  # more than any machine has
+    assert not any(p.name.startswith(f"{FILE_PREFIX}b00t-huge") for p in Path("/dev/shm").iterdir())
 
 
 def test_stale_files_of_dead_daemons_are_removed(tmp_path: Path) -> None:

@@ -56,6 +56,10 @@ def assert_identical_to_vllm(path: Path, tp: int, rank: int) -> None:
             assert torch.equal(w.view(torch.uint8), ref_w.view(torch.uint8)), layout.name
             assert layout.output_size == ref["logical_output_size"]
             assert layout.processed_weight_dims == (0, 1)
+            if layout.bias is not None or "bias" in ref:
+                ref_bias = ref["bias"]
+                assert isinstance(ref_bias, torch.Tensor) and layout.bias is not None
+                assert torch.equal(ours[layout.bias], ref_bias), layout.name
             for name in ("weight_scale", "input_scale"):
                 ours_t = ours.get(getattr(layout, name) or "")
                 ref_t = ref.get(name)
