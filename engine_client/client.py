@@ -156,12 +156,18 @@ def _lease_body(
     return body.model_dump(mode="json", exclude_none=True)
 
 
-def _give_back(grant: LeaseGrant) -> None:
-    """A grant this client will not use: hand back its IPC reference before releasing it."""
+def _complete(key: LayoutKey, content: bytes) -> tuple[LeaseGrant | None, str | None]:
+    """(the grant with its manifest, None), or (None, lease id to release) when the grant named
+    a layout this process no longer holds; that grant's IPC reference is handed back here."""
     from engine_client.arenas import release_unopened
 
+    grant = LeaseGrant.model_validate_json(content)
+    full = LAYOUTS.complete(key, grant)
+    if full is not None:
+        return full, None
     for arena in grant.arenas:
         release_unopened(arena.handle)
+    return None, grant.lease.id
 
 
 _RETRYABLE = (
@@ -283,15 +289,13 @@ class DaemonClient:
         key = (self.config._base_url() + (self.config.uds or ""), model, tp_rank, tp_size)
         body = _lease_body(self.config, key, kernel, format, ttl_s, client_pid)
         response = self._request("POST", "/v1/leases", idempotent=False, json=body)
-        grant = LeaseGrant.model_validate_json(response.content)
-        full = LAYOUTS.complete(key, grant)
-        if full is None:  # our copy of the layout was evicted meanwhile: give this one back
-            _give_back(grant)
-            self.release(grant.lease.id)
+        full, unusable = _complete(key, response.content)
+        if unusable is not None:  # our copy of the layout was evicted meanwhile: lease again
+            self.release(unusable)
             body.pop("known_layout")
             response = self._request("POST", "/v1/leases", idempotent=False, json=body)
-            full = LAYOUTS.complete(key, LeaseGrant.model_validate_json(response.content))
-        assert full is not None  # a grant with its manifest always completes
+            full, _ = _complete(key, response.content)
+        assert full is not None
         return full
 
     def leases(self) -> list[LeaseInfo]:
@@ -380,15 +384,13 @@ class AsyncDaemonClient:
         key = (self.config._base_url() + (self.config.uds or ""), model, tp_rank, tp_size)
         body = _lease_body(self.config, key, kernel, format, ttl_s, client_pid)
         response = await self._request("POST", "/v1/leases", idempotent=False, json=body)
-        grant = LeaseGrant.model_validate_json(response.content)
-        full = LAYOUTS.complete(key, grant)
-        if full is None:  # our copy of the layout was evicted meanwhile: give this one back
-            _give_back(grant)
-            await self.release(grant.lease.id)
+        full, unusable = _complete(key, response.content)
+        if unusable is not None:  # our copy of the layout was evicted meanwhile: lease again
+            await self.release(unusable)
             body.pop("known_layout")
             response = await self._request("POST", "/v1/leases", idempotent=False, json=body)
-            full = LAYOUTS.complete(key, LeaseGrant.model_validate_json(response.content))
-        assert full is not None  # a grant with its manifest always completes
+            full, _ = _complete(key, response.content)
+        assert full is not None
         return full
 
     async def renew(self, lease_id: str, ttl_s: float | None = None) -> LeaseInfo:

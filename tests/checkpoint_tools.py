@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,17 @@ def rewrite_json(path: Path, mutate: Callable[[dict[str, Any]], None]) -> None:
     data = json.loads(path.read_text())
     mutate(data)
     path.write_text(json.dumps(data, indent=2))
+
+
+def rewrite_header(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Edit a safetensors file's JSON header in place, leaving its data bytes as they are."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    data = json.dumps(header).encode()
+    data += b" " * (-len(data) % 8)
+    path.write_bytes(struct.pack("<Q", len(data)) + data + raw[8 + n :])
 
 
 def all_tensors(directory: Path) -> dict[str, torch.Tensor]:

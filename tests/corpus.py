@@ -3,7 +3,6 @@ error code the daemon must answer with."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import struct
 from collections.abc import Callable
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from tests.checkpoint_tools import rewrite_json, rewrite_tensors
+from tests.checkpoint_tools import rewrite_header, rewrite_json, rewrite_tensors
 
 Q = "model.layers.0.self_attn.q_proj"
 
@@ -21,23 +20,12 @@ def _truncate(d: Path) -> None:
     f.write_bytes(f.read_bytes()[:-4096])
 
 
-def _header(d: Path, edit: Callable[[dict], None]) -> None:
-    f = d / "model.safetensors"
-    raw = f.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + n])
-    edit(header)
-    data = json.dumps(header).encode()
-    data += b" " * (-len(data) % 8)
-    f.write_bytes(struct.pack("<Q", len(data)) + data + raw[8 + n :])
-
-
 def _lying_offsets(d: Path) -> None:
     def edit(h: dict) -> None:
         a, b = h[f"{Q}.weight"]["data_offsets"]
         h[f"{Q}.weight"]["data_offsets"] = [a + 8, b + 8]
 
-    _header(d, edit)
+    rewrite_header(d / "model.safetensors", edit)
 
 
 def _huge_header(d: Path) -> None:

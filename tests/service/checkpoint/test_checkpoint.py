@@ -19,6 +19,7 @@ from service.errors import (
     MissingTensorError,
     NotModelOptCheckpointError,
 )
+from tests.checkpoint_tools import rewrite_header
 from tests.conftest import MODELOPT_EXPORTS
 
 
@@ -71,16 +72,6 @@ def test_plain_bf16_checkpoint_is_not_modelopt(tiny_fp8: Path, copy_of) -> None:
         Checkpoint.open(path)
 
 
-def _rewrite_header(path: Path, edit) -> None:
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + n])
-    edit(header)
-    data = json.dumps(header).encode()
-    data += b" " * (-len(data) % 8)
-    path.write_bytes(struct.pack("<Q", len(data)) + data + raw[8 + n :])
-
-
 def test_truncated_file(tiny_fp8: Path, copy_of) -> None:
     path = copy_of(tiny_fp8)
     f = path / "model.safetensors"
@@ -98,7 +89,7 @@ def test_header_lying_about_offsets(tiny_fp8: Path, copy_of) -> None:
         start, end = entry["data_offsets"]
         entry["data_offsets"] = [start, end + 64]
 
-    _rewrite_header(path / "model.safetensors", lie)
+    rewrite_header(path / "model.safetensors", lie)
     with pytest.raises(CorruptFileError, match="offset"):
         Checkpoint.open(path)
 
@@ -109,7 +100,7 @@ def test_header_lying_about_shape(tiny_fp8: Path, copy_of) -> None:
     def lie(header: dict) -> None:
         header["model.layers.0.self_attn.q_proj.weight"]["shape"] = [64, 65]
 
-    _rewrite_header(path / "model.safetensors", lie)
+    rewrite_header(path / "model.safetensors", lie)
     with pytest.raises(CorruptFileError):
         Checkpoint.open(path)
 
