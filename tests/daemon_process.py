@@ -11,8 +11,23 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
+
+
+def lease_body(model: str = "tiny", **over: Any) -> dict[str, Any]:
+    """A valid single-rank CUTLASS lease request as raw JSON (tests vary it field by field)."""
+    body: dict[str, Any] = {
+        "model": model,
+        "tp_rank": 0,
+        "tp_size": 1,
+        "kernel": "cutlass",
+        "format": "default",
+        "client_pid": os.getpid(),
+    }
+    body.update(over)
+    return body
 
 
 def free_port() -> int:

@@ -20,23 +20,11 @@ from service.memory.checksum import storage_checksum
 from service.memory.shm import map_read_only
 from service.schemas.leases import LeaseGrant
 from service.schemas.manifest import ShmHandle
+from tests.daemon_process import lease_body
 
 
 def lease(url: str, model: str, ttl: float = 60.0) -> LeaseGrant:
-    import os
-
-    r = httpx.post(
-        f"{url}/v1/leases",
-        json={
-            "model": model,
-            "tp_rank": 0,
-            "tp_size": 1,
-            "kernel": "cutlass",
-            "format": "default",
-            "client_pid": os.getpid(),
-            "ttl_s": ttl,
-        },
-    )
+    r = httpx.post(f"{url}/v1/leases", json=lease_body(model, ttl_s=ttl))
     r.raise_for_status()
     return LeaseGrant.model_validate_json(r.content)
 

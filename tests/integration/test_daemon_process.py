@@ -15,7 +15,7 @@ import httpx
 from service.checkpoint import Checkpoint
 from service.memory.checksum import storage_checksum
 from service.processing import load_processed, plan_model
-from tests.daemon_process import DaemonProcess, start_daemon
+from tests.daemon_process import DaemonProcess, lease_body, start_daemon
 
 CHILD = [sys.executable, "-m", "tests.integration.engine_child"]
 
@@ -94,14 +94,7 @@ def test_sigkilled_engine_is_reaped_and_model_stays(daemon_process: DaemonProces
     assert (
         httpx.post(
             f"{url}/v1/leases",
-            json={
-                "model": "tiny",
-                "tp_rank": 0,
-                "tp_size": 1,
-                "kernel": "cutlass",
-                "format": "default",
-                "client_pid": 1,
-            },
+            json=lease_body(client_pid=1),
         ).status_code
         == 201
     )

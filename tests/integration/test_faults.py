@@ -19,7 +19,7 @@ from engine_client.verify import Expectations
 from service.demo import write_demo_checkpoint
 from service.errors import DaemonRestartedError
 from service.memory.shm import map_read_only
-from tests.daemon_process import free_port, start_daemon
+from tests.daemon_process import free_port, lease_body, start_daemon
 
 CPU = torch.device("cpu")
 
@@ -62,14 +62,7 @@ def test_load_failing_halfway_returns_its_memory(tmp_path: Path, tiny_fp8: Path)
         assert len(list(daemon.shm_dir.iterdir())) == 1  # only tiny's arena
         grant = httpx.post(
             f"{url}/v1/leases",
-            json={
-                "model": "tiny",
-                "tp_rank": 0,
-                "tp_size": 1,
-                "kernel": "cutlass",
-                "format": "default",
-                "client_pid": 1,
-            },
+            json=lease_body(client_pid=1),
         )
         assert grant.status_code == 201
     finally:
@@ -132,15 +125,7 @@ def test_unload_racing_leases_never_frees_a_leased_arena(tmp_path: Path, tiny_fp
             enough = counts["granted"] >= 50 and counts["unloaded"] >= 5 and counts["in_use"] >= 5
         return not enough and time.monotonic() < give_up
 
-    body = {
-        "model": "tiny",
-        "tp_rank": 0,
-        "tp_size": 1,
-        "kernel": "cutlass",
-        "format": "default",
-        "client_pid": 1,
-        "ttl_s": 30,
-    }
+    body = lease_body(client_pid=1, ttl_s=30)
 
     def leaser() -> None:
         with httpx.Client(base_url=url, timeout=10) as http:

@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from service.api.app import create_app
 from service.daemon import Daemon
 from service.settings import DaemonSettings
+from tests.daemon_process import lease_body
 
 
 @dataclass
@@ -34,18 +35,7 @@ class Served:
             time.sleep(0.01)
 
     def lease_body(self, **over: Any) -> dict[str, Any]:
-        import os
-
-        body: dict[str, Any] = {
-            "model": "tiny",
-            "tp_rank": 0,
-            "tp_size": 1,
-            "kernel": "cutlass",
-            "format": "default",
-            "client_pid": os.getpid(),
-        }
-        body.update(over)
-        return body
+        return lease_body(**over)
 
     def snapshot(self) -> dict[str, Any]:
         """What must not change when a request is refused."""
