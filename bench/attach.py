@@ -28,7 +28,6 @@ from engine_client.attach import attach
 from engine_client.client import ClientConfig
 from engine_client.loading import load_from_disk
 from engine_client.verify import Expectations
-from service.checkpoint import Checkpoint
 from tests.daemon_process import start_daemon
 
 
@@ -42,9 +41,7 @@ def sync() -> None:
 
 
 def expectations(path: Path) -> Expectations:
-    with Checkpoint.open(path) as ckpt:
-        quant = ckpt.quant
-    return Expectations(device(), checkpoint=path, quant=quant)
+    return Expectations.for_checkpoint(path, device())
 
 
 def cold_attach(url: str, model: str, path: Path) -> dict[str, float]:

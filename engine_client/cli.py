@@ -17,7 +17,6 @@ from engine_client.client import DaemonClient
 from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear
 from engine_client.loading import load_from_disk
 from engine_client.verify import Expectations
-from service.checkpoint import Checkpoint
 from service.errors import WeightCacheError
 from service.schemas.layout import LayerLayout
 
@@ -88,15 +87,8 @@ def attach_command(
         with DaemonClient(config) as client:
             model_id = model_id or _pick_model(client)
             path = checkpoint or Path(client.model(model_id).path)
-        with Checkpoint.open(path) as ckpt:
-            quant = ckpt.quant
-        expect = Expectations(
-            device=dev,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            checkpoint=path,
-            quant=quant,
-            verify_checksums=verify_checksums,
+        expect = Expectations.for_checkpoint(
+            path, dev, tp_rank=tp_rank, tp_size=tp_size, verify_checksums=verify_checksums
         )
         with attach(model_id, expect, config=config, keep_alive=False) as att:
             outputs = run_layers(att.layers, att.tensors, dev)

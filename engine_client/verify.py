@@ -9,16 +9,16 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from service.checkpoint import checkpoint_fingerprint
-from service.checkpoint.architecture import PACKED_MODULES
-from service.checkpoint.quant_config import FP8, FP8_PER_CHANNEL_PER_TOKEN, QuantConfig
+from service.checkpoint import Checkpoint
+from service.checkpoint.quant_config import QuantConfig
 from service.errors import VerificationError
 from service.memory.checksum import storage_checksum
 from service.memory.devices import cuda_uuid, host_id
-from service.schemas.layout import Kernel, LayerLayout, Scheme, WeightFormat
+from service.schemas.layout import Kernel, Scheme, WeightFormat
 from service.schemas.manifest import DeviceKind, Manifest
 from service.version import PROTOCOL_VERSION
 
@@ -47,13 +47,20 @@ class Expectations:
     tp_size: int = 1
     kernel: str = Kernel.cutlass.value
     format: str = WeightFormat.default.value
-    checkpoint: Path | None = None  # the engine's own copy, for the fingerprint
+    fingerprint: str | None = None  # of the engine's own copy of the checkpoint
     quant: QuantConfig | None = None  # the engine's reading of its quantization config
     verify_checksums: bool = False
     # Layers the engine cannot take pre-processed: names it will refuse rather than reprocess.
     supported_schemes: frozenset[Scheme] = field(
         default_factory=lambda: frozenset({Scheme.fp8, Scheme.fp8_pc_pt, Scheme.unquantized})
     )
+
+    @classmethod
+    def for_checkpoint(cls, path: Path, device: torch.device, **kw: Any) -> Expectations:
+        """What an engine loading ``path`` expects: its fingerprint and quantization config,
+        from one read of its configs and safetensors headers."""
+        with Checkpoint.open(path) as ckpt:
+            return cls(device, fingerprint=ckpt.fingerprint, quant=ckpt.quant, **kw)
 
 
 def _fail(reason: Reason, detail: str, **extra: object) -> VerificationError:
@@ -93,12 +100,6 @@ def _check_device(manifest: Manifest, device: torch.device) -> None:
             )
 
 
-def expected_scheme(layer: LayerLayout, quant: QuantConfig) -> Scheme:
-    if quant.is_excluded(layer.name, dict(PACKED_MODULES)):
-        return Scheme.unquantized
-    return {FP8: Scheme.fp8, FP8_PER_CHANNEL_PER_TOKEN: Scheme.fp8_pc_pt}[quant.quant_algo]
-
-
 def _check_layers(manifest: Manifest, expect: Expectations) -> None:
     for layer in manifest.layers:
         if layer.scheme not in expect.supported_schemes:
@@ -125,11 +126,12 @@ def _check_layers(manifest: Manifest, expect: Expectations) -> None:
                 )
             if layer.processed_weight_dims != (0, 1):
                 raise _fail(Reason.manifest_invalid, f"{layer.name} has no [K, N] weight view")
-        if expect.quant is not None and layer.scheme is not expected_scheme(layer, expect.quant):
+        mine = expect.quant.scheme_for(layer.name) if expect.quant is not None else layer.scheme
+        if layer.scheme is not mine:
             raise _fail(
                 Reason.scheme_mismatch,
-                f"{layer.name} is {layer.scheme.value} in the lease but "
-                f"{expected_scheme(layer, expect.quant).value} for this engine",
+                f"{layer.name} is {layer.scheme.value} in the lease but {mine.value} for this "
+                "engine",
                 layer=layer.name,
             )
 
@@ -148,6 +150,14 @@ def verify_manifest(manifest: Manifest, expect: Expectations) -> None:
             f"lease is rank {manifest.tp_rank}/{manifest.tp_size}, engine is "
             f"{expect.tp_rank}/{expect.tp_size}",
         )
+    if expect.fingerprint is not None and expect.fingerprint != manifest.checkpoint.fingerprint:
+        raise _fail(
+            Reason.fingerprint_mismatch,
+            f"lease is of checkpoint {manifest.checkpoint.fingerprint}, the engine's is "
+            f"{expect.fingerprint}",
+            engine=expect.fingerprint,
+            leased=manifest.checkpoint.fingerprint,
+        )
     _check_device(manifest, expect.device)
     if expect.quant is not None and manifest.checkpoint.quant_algo != expect.quant.quant_algo:
         raise _fail(
@@ -155,16 +165,6 @@ def verify_manifest(manifest: Manifest, expect: Expectations) -> None:
             f"lease is {manifest.checkpoint.quant_algo}, engine expects {expect.quant.quant_algo}",
         )
     _check_layers(manifest, expect)
-    if expect.checkpoint is not None:
-        mine = checkpoint_fingerprint(expect.checkpoint)
-        if mine != manifest.checkpoint.fingerprint:
-            raise _fail(
-                Reason.fingerprint_mismatch,
-                f"lease is of checkpoint {manifest.checkpoint.fingerprint}, the engine's "
-                f"{expect.checkpoint} is {mine}",
-                engine=mine,
-                leased=manifest.checkpoint.fingerprint,
-            )
     arena_sizes = {a.index: a.nbytes for a in manifest.arenas}
     for t in manifest.tensors:
         size = arena_sizes.get(t.arena)

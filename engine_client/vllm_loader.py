@@ -36,14 +36,15 @@ from engine_client.attach import Attachment
 from engine_client.client import ClientConfig, DaemonClient
 from engine_client.loading import attach_waiting, record_fallback
 from engine_client.verify import Expectations, Reason
-from service.checkpoint import Checkpoint, checkpoint_fingerprint
+from service.checkpoint import checkpoint_fingerprint
 from service.errors import (
     ModelNotFoundError,
     UnauthorizedError,
     VerificationError,
     WeightCacheError,
 )
-from service.schemas.layout import Scheme
+from service.schemas.layout import Kernel, Scheme
+from service.schemas.models import ModelState
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def engine_kernel(module: nn.Module) -> str | None:
     if kernel is None:
         return None
     name = type(kernel).__name__
-    return "cutlass" if name == CUTLASS_KERNEL_CLASS else name
+    return Kernel.cutlass.value if name == CUTLASS_KERNEL_CLASS else name
 
 
 def _as_parameter(tensor: torch.Tensor) -> nn.Parameter:
@@ -134,12 +135,9 @@ def bind_attachment(model: nn.Module, attachment: Attachment) -> list[str]:
         _set_param(module, "input_scale", t[layout.input_scale] if layout.input_scale else None)
         module.processed_weight_dims = layout.processed_weight_dims
         module.is_w4a16_nvfp4 = False
-        kernel = module.quant_method.kernel
-        if type(kernel).__name__ == CUTLASS_KERNEL_CLASS:
-            kernel.logical_output_size = layout.output_size
-    bound = {la.weight for la in attachment.layers}
-    for la in attachment.layers:
-        bound.update(n for n in (la.weight_scale, la.input_scale, la.bias) if n)
+        if engine_kernel(module) == Kernel.cutlass.value:
+            module.quant_method.kernel.logical_output_size = layout.output_size
+    bound = {name for layout in attachment.layers for name in layout.tensor_names()}
     return [name for name in attachment.tensors if name not in bound]
 
 
@@ -228,26 +226,31 @@ def _register() -> type:
         def get_external_weight_memory(self, vllm_config: Any) -> int:
             """Weight bytes held by the daemon for this rank (not in the engine's allocator)."""
             try:
-                _, rank_bytes = self._daemon_model(vllm_config.model_config)
+                config = self.options.client_config()
+                _, rank_bytes = self._daemon_model(vllm_config.model_config, config)
             except WeightCacheError:
                 return 0
             return rank_bytes
 
-        def _daemon_model(self, model_config: Any) -> tuple[str, int]:
+        def _daemon_model(
+            self, model_config: Any, config: ClientConfig, fingerprint: str | None = None
+        ) -> tuple[str, int]:
+            """The daemon's model for this engine: the one named in the options, else the
+            ready (or loading) one of this checkpoint at this TP size; and its bytes per rank."""
             from vllm.distributed import get_tensor_model_parallel_world_size
 
             tp_size = get_tensor_model_parallel_world_size()
-            with DaemonClient(self.options.client_config()) as client:
+            with DaemonClient(config) as client:
                 models = client.models()
             if self.options.model:
                 chosen = [m for m in models if m.id == self.options.model]
             else:
-                fingerprint = checkpoint_fingerprint(Path(model_config.model))
+                fingerprint = fingerprint or checkpoint_fingerprint(Path(model_config.model))
                 chosen = [
                     m
                     for m in models
                     if m.fingerprint == fingerprint
-                    and m.state.value in ("ready", "loading")
+                    and m.state in (ModelState.ready, ModelState.loading)
                     and m.tp_size == tp_size
                 ]
             if not chosen:
@@ -292,40 +295,36 @@ def _register() -> type:
                     f"{checkpoint} is not a local checkpoint directory",
                     reason=Reason.fingerprint_mismatch.value,
                 )
-            model_id, _ = self._daemon_model(model_config)
             device = torch.device(vllm_config.device_config.device)
             if device.type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
+            expect = Expectations.for_checkpoint(
+                checkpoint,
+                device,
+                tp_rank=get_tensor_model_parallel_rank(),
+                tp_size=get_tensor_model_parallel_world_size(),
+                verify_checksums=self.options.verify_checksums,
+            )
+            config = self.options.client_config()
+            model_id, _ = self._daemon_model(model_config, config, expect.fingerprint)
             with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
                 model = initialize_model(
                     vllm_config=vllm_config, model_config=model_config, prefix=prefix
                 )
-            kernels = {engine_kernel(m) for m in model.modules()} - {None}
-            if kernels - {"cutlass"}:
+            kernels = {engine_kernel(m) for m in model.modules()} - {None, Kernel.cutlass.value}
+            if kernels:
                 raise VerificationError(
                     f"vLLM selected {', '.join(sorted(k for k in kernels if k))} for this "
                     "model; the daemon processed for cutlass",
                     reason=Reason.kernel_mismatch.value,
                 )
-            with Checkpoint.open(checkpoint) as ckpt:
-                quant = ckpt.quant
-            expect = Expectations(
-                device=device,
-                tp_rank=get_tensor_model_parallel_rank(),
-                tp_size=get_tensor_model_parallel_world_size(),
-                checkpoint=checkpoint,
-                quant=quant,
-                verify_checksums=self.options.verify_checksums,
-            )
-            attachment = attach_waiting(
-                model_id, expect, self.options.client_config(), self.options.wait
-            )
+            attachment = attach_waiting(model_id, expect, config, self.options.wait)
             try:
                 carried = bind_attachment(model, attachment)
                 _materialize(model, device)
                 with set_default_torch_dtype(model_config.dtype):
                     model.load_weights((name, attachment.tensors[name]) for name in carried)
-                bound = [m for m in model.modules() if engine_kernel(m) == "cutlass"]
+                bound = [m for m in model.modules() if engine_kernel(m) == Kernel.cutlass.value]
                 methods = [m.quant_method for m in bound]
                 for m in bound:
                     m.quant_method = _AlreadyProcessed()
@@ -334,18 +333,15 @@ def _register() -> type:
                 finally:
                     for m, method in zip(bound, methods, strict=True):
                         m.quant_method = method
-            except WeightCacheError:
+            except BaseException as exc:
                 attachment.close()
-                raise
-            except Exception as exc:  # vLLM disagreed with the lease: say so, then fall back
-                attachment.close()
+                if isinstance(exc, WeightCacheError) or not isinstance(exc, Exception):
+                    raise
+                # vLLM disagreed with the lease: say so, then fall back.
                 raise VerificationError(
                     f"binding the lease to vLLM's model failed: {type(exc).__name__}: {exc}",
                     reason=Reason.manifest_invalid.value,
                 ) from exc
-            except BaseException:
-                attachment.close()
-                raise
             self.attachment = attachment
             evaluated: nn.Module = model.eval()
             return evaluated

@@ -18,7 +18,9 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
+from service.checkpoint.architecture import PACKED_MODULES
 from service.errors import InvalidConfigError, NotModelOptCheckpointError, UnsupportedQuantAlgoError
+from service.schemas.layout import Scheme
 
 FP8 = "FP8"
 FP8_PER_CHANNEL_PER_TOKEN = "FP8_PER_CHANNEL_PER_TOKEN"
@@ -75,6 +77,12 @@ class QuantConfig:
             if pattern != prefix and pattern in prefix:
                 return True
         return any(fnmatch(prefix, pattern) for pattern in self.exclude_modules)
+
+    def scheme_for(self, prefix: str) -> Scheme:
+        """The scheme vLLM gives the linear layer at ``prefix`` under this config."""
+        if self.is_excluded(prefix, dict(PACKED_MODULES)):
+            return Scheme.unquantized
+        return Scheme.fp8 if self.quant_algo == FP8 else Scheme.fp8_pc_pt
 
 
 def _load_json(path: Path) -> dict[str, Any]:

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.checkpoint import FP8, Checkpoint, LinearSpec
-from service.checkpoint.architecture import PACKED_MODULES, kv_scale_names, linear_specs
+from service.checkpoint import Checkpoint, LinearSpec
+from service.checkpoint.architecture import kv_scale_names, linear_specs
 from service.checkpoint.safetensors_files import TensorInfo
 from service.errors import (
     InvalidScaleError,
@@ -193,14 +193,8 @@ class _Planner:
     # --- linear layers ------------------------------------------------------------------------
 
     def linear(self, spec: LinearSpec) -> LinearPlan:
-        quantized = not self.ckpt.quant.is_excluded(spec.prefix, dict(PACKED_MODULES))
-        scheme = (
-            Scheme.unquantized
-            if not quantized
-            else Scheme.fp8
-            if self.algo == FP8
-            else Scheme.fp8_pc_pt
-        )
+        scheme = self.ckpt.quant.scheme_for(spec.prefix)
+        quantized = scheme is not Scheme.unquantized
         shards: list[ShardSource] = []
         for shard in spec.shards:
             sl = shard_slice(spec, shard, self.ckpt.dims, self.tp_size, self.tp_rank)

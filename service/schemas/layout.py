@@ -64,3 +64,7 @@ class LayerLayout(BaseModel):
     weight_scale: str | None = None
     input_scale: str | None = None
     bias: str | None = None
+
+    def tensor_names(self) -> list[str]:
+        """The names of the tensors this layer owns in the arena."""
+        return [n for n in (self.weight, self.weight_scale, self.input_scale, self.bias) if n]

@@ -3,6 +3,7 @@ ordinary load, lease kept alive and released, and every verification refusal lea
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import time
@@ -16,7 +17,7 @@ import torch
 from engine_client.attach import attach
 from engine_client.client import ClientConfig
 from engine_client.verify import Expectations
-from service.checkpoint import Checkpoint
+from service.checkpoint import Checkpoint, checkpoint_fingerprint
 from service.checkpoint.quant_config import QuantConfig
 from service.errors import LayoutMismatchError, VerificationError
 from service.processing import load_processed, plan_model
@@ -25,12 +26,8 @@ from tests.daemon_process import DaemonProcess
 CPU = torch.device("cpu")
 
 
-def expectations(ckpt_path: Path, **over) -> Expectations:
-    with Checkpoint.open(ckpt_path) as ckpt:
-        quant = ckpt.quant
-    values: dict[str, Any] = {"device": CPU, "checkpoint": ckpt_path, "quant": quant}
-    values.update(over)
-    return Expectations(**values)
+def expectations(ckpt_path: Path, **over: Any) -> Expectations:
+    return dataclasses.replace(Expectations.for_checkpoint(ckpt_path, CPU), **over)
 
 
 def active_leases(daemon: DaemonProcess) -> list[dict[str, Any]]:
@@ -94,7 +91,7 @@ def test_checksums_verify_and_catch_corruption(daemon_process, tiny_fp8) -> None
     ("over", "reason"),
     [
         ({"tp_size": 2, "tp_rank": 1}, None),  # the daemon refuses: 409 layout_mismatch
-        ({"checkpoint": "PC"}, "fingerprint_mismatch"),
+        ({"fingerprint": "PC"}, "fingerprint_mismatch"),
         ({"quant": QuantConfig("FP8_PER_CHANNEL_PER_TOKEN", None, (), "x")}, "quant_algo_mismatch"),
         (
             {"quant": QuantConfig("FP8", None, ("model.layers.1.mlp.down_proj",), "x")},
@@ -106,8 +103,8 @@ def test_checksums_verify_and_catch_corruption(daemon_process, tiny_fp8) -> None
 def test_mismatches_are_refused_and_leave_no_lease(
     daemon_process, tiny_fp8, tiny_pc, over, reason
 ) -> None:
-    if over.get("checkpoint") == "PC":
-        over["checkpoint"] = tiny_pc
+    if over.get("fingerprint") == "PC":
+        over = {"fingerprint": checkpoint_fingerprint(tiny_pc)}
     config = ClientConfig(url=daemon_process.url)
     expected_error = VerificationError if reason else LayoutMismatchError
     with pytest.raises(expected_error) as err:

@@ -24,7 +24,7 @@ def test_attaches_when_the_daemon_has_the_model(daemon_process, tiny_fp8: Path) 
     result = load_weights(
         "tiny",
         tiny_fp8,
-        Expectations(CPU, checkpoint=tiny_fp8),
+        Expectations.for_checkpoint(tiny_fp8, CPU),
         config=ClientConfig(url=daemon_process.url),
     )
     assert result.source == "daemon" and result.reason is None
@@ -37,7 +37,7 @@ def test_falls_back_with_a_reason_when_no_daemon(tiny_fp8: Path, caplog) -> None
     config = ClientConfig(url=f"http://127.0.0.1:{free_port()}", retries=0)
     with caplog.at_level(logging.WARNING):
         result = load_weights(
-            "tiny", tiny_fp8, Expectations(CPU, checkpoint=tiny_fp8), config=config
+            "tiny", tiny_fp8, Expectations.for_checkpoint(tiny_fp8, CPU), config=config
         )
     assert result.source == "disk" and result.reason == "daemon_unavailable"
     assert FALLBACKS["daemon_unavailable"] == before + 1
@@ -50,7 +50,7 @@ def test_verification_failure_is_the_stated_reason(daemon_process, tiny_fp8, tin
     result = load_weights(
         "tiny",
         tiny_pc,
-        Expectations(CPU, checkpoint=tiny_pc),
+        Expectations.for_checkpoint(tiny_pc, CPU),
         config=ClientConfig(url=daemon_process.url),
     )
     assert result.source == "disk" and result.reason == "fingerprint_mismatch"
@@ -61,7 +61,11 @@ def test_no_fallback_raises(tiny_fp8: Path) -> None:
     config = ClientConfig(url=f"http://127.0.0.1:{free_port()}", retries=0)
     with pytest.raises(DaemonUnavailableError):
         load_weights(
-            "tiny", tiny_fp8, Expectations(CPU, checkpoint=tiny_fp8), config=config, fallback=False
+            "tiny",
+            tiny_fp8,
+            Expectations.for_checkpoint(tiny_fp8, CPU),
+            config=config,
+            fallback=False,
         )
 
 
@@ -91,13 +95,17 @@ def test_waits_for_a_model_still_loading(
         config = ClientConfig(url=served.url)
         httpx.post(f"{served.url}/v1/models", json={"path": str(tiny_fp8), "id": "late"})
         without_wait = load_weights(
-            "late", tiny_fp8, Expectations(CPU, checkpoint=tiny_fp8), config=config
+            "late", tiny_fp8, Expectations.for_checkpoint(tiny_fp8, CPU), config=config
         )
         assert without_wait.source == "disk" and without_wait.reason == "model_loading"
         threading.Timer(1.0, gate.set).start()
         with caplog.at_level(logging.INFO, logger="engine_client.loading"):
             result = load_weights(
-                "late", tiny_fp8, Expectations(CPU, checkpoint=tiny_fp8), config=config, wait_s=30
+                "late",
+                tiny_fp8,
+                Expectations.for_checkpoint(tiny_fp8, CPU),
+                config=config,
+                wait_s=30,
             )
         assert result.source == "daemon" and result.attachment is not None
         assert "still loading" in caplog.text

@@ -12,18 +12,13 @@ import torch
 from engine_client.attach import attach
 from engine_client.client import ClientConfig
 from engine_client.verify import Expectations
-from service.checkpoint import Checkpoint
 from service.memory.checksum import storage_checksum
 
 
 def main() -> None:
     url, model, checkpoint = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     torch.cuda.init()
-    with Checkpoint.open(checkpoint) as ckpt:
-        quant = ckpt.quant
-    expect = Expectations(
-        torch.device("cuda", 0), checkpoint=checkpoint, quant=quant, verify_checksums=True
-    )
+    expect = Expectations.for_checkpoint(checkpoint, torch.device("cuda", 0), verify_checksums=True)
     with attach(model, expect, config=ClientConfig(url=url)) as att:
         base = att.arena.base
         assert base is not None

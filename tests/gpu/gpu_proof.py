@@ -23,7 +23,6 @@ from engine_client.cli import run_layers
 from engine_client.client import ClientConfig
 from engine_client.loading import LoadResult, load_from_disk, load_weights
 from engine_client.verify import Expectations
-from service.checkpoint import Checkpoint
 from service.demo import write_demo_checkpoint
 from tests.daemon_process import free_port, start_daemon
 
@@ -45,9 +44,7 @@ def engine(url: str, model: str, checkpoint: Path) -> dict[str, Any]:
         torch.ones(1, device=device).add_(1)
         torch.cuda.synchronize()
     report["context_ms"] = (time.perf_counter() - start) * 1e3
-    with Checkpoint.open(checkpoint) as ckpt:
-        quant = ckpt.quant
-    expect = Expectations(device, checkpoint=checkpoint, quant=quant)
+    expect = Expectations.for_checkpoint(checkpoint, device)
 
     start = time.perf_counter()
     disk, layers = load_from_disk(checkpoint, device)

@@ -78,7 +78,7 @@ from engine_client.client import ClientConfig
 from engine_client.verify import Expectations
 from service.errors import VerificationError
 try:
-    attach("tiny", Expectations(torch.device("cuda", 0), checkpoint=Path(sys.argv[2])),
+    attach("tiny", Expectations.for_checkpoint(Path(sys.argv[2]), torch.device("cuda", 0)),
            config=ClientConfig(url=sys.argv[1]))
 except VerificationError as exc:
     print(exc.reason)

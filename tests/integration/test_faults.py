@@ -76,7 +76,7 @@ def test_daemon_killed_and_restarted(tmp_path: Path, tiny_fp8: Path) -> None:
     port, shm = free_port(), tmp_path / "shm"
     first = start_daemon(tmp_path, [tiny_fp8], "--model-id", "tiny", port=port, shm_dir=shm)
     config = ClientConfig(url=first.url)
-    expect = Expectations(CPU, checkpoint=tiny_fp8)
+    expect = Expectations.for_checkpoint(tiny_fp8, CPU)
     att = attach("tiny", expect, config=config, ttl_s=60, renew_every_s=0.1)
     lost: list[Exception] = []
     att.on_lost.append(lost.append)

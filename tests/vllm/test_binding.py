@@ -149,7 +149,7 @@ def test_leased_tensors_bind_to_vllms_parameters(daemon_process, tiny_fp8: Path)
         model = build(vllm_config, model_config, device="meta")
         with attach(
             "tiny",
-            Expectations(torch.device("cpu"), checkpoint=tiny_fp8),
+            Expectations.for_checkpoint(tiny_fp8, torch.device("cpu")),
             config=ClientConfig(url=daemon_process.url),
             keep_alive=False,
         ) as att:
