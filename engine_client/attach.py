@@ -17,10 +17,9 @@ import torch
 
 from engine_client.arenas import OpenedArena, open_arena, release_unopened
 from engine_client.client import ClientConfig, DaemonClient
-from engine_client.fp8_linear import Fp8LinearWeights
-from engine_client.verify import Expectations, Reason, verify_checksums, verify_manifest
+from engine_client.verify import Expectations, verify_checksums, verify_grant
 from service.dtypes import to_torch
-from service.errors import DaemonUnavailableError, VerificationError, WeightCacheError
+from service.errors import DaemonUnavailableError, WeightCacheError
 from service.schemas.layout import LayerLayout
 from service.schemas.leases import LeaseGrant
 from service.schemas.manifest import Manifest
@@ -63,7 +62,6 @@ class LeaseKeeper(threading.Thread):
         self.interval = every_s or max(0.05, ttl_s / 3)
         self.on_lost = on_lost
         self.stopped = threading.Event()
-        self.error: WeightCacheError | None = None
         self.renewals = 0
 
     def run(self) -> None:
@@ -87,7 +85,6 @@ class LeaseKeeper(threading.Thread):
     def _lose(self, error: WeightCacheError) -> None:
         if self.stopped.is_set():  # closing raced a renewal: the lease was given up on purpose
             return
-        self.error = error
         log.error("lease %s lost: %s", self.lease_id, error)
         self.on_lost(error)
 
@@ -137,10 +134,6 @@ class Attachment:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.manifest.tensors)
-
-    def layer(self, name: str) -> Fp8LinearWeights:
-        layout = next(la for la in self.layers if la.name == name)
-        return Fp8LinearWeights.from_tensors(layout, self.tensors)
 
     def zero_copy(self) -> bool:
         """Whether every tensor points into the mapped arena at its manifest offset."""
@@ -213,11 +206,11 @@ def attach(
         arena: OpenedArena | None = None
         try:
             start = time.perf_counter()
+            verify_grant(grant, expect)
             manifest = grant.full_manifest()
-            verify_manifest(manifest, expect)
             timings.verify_ms = (time.perf_counter() - start) * 1e3
             start = time.perf_counter()
-            arena = open_arena(manifest.arenas[0])
+            arena = open_arena(grant.arenas[0])
             timings.open_ms = (time.perf_counter() - start) * 1e3
             start = time.perf_counter()
             assert arena.base is not None
@@ -228,19 +221,15 @@ def attach(
                 verify_checksums(manifest, storages)
                 timings.checksum_ms = (time.perf_counter() - start) * 1e3
         except BaseException:
-            if arena is None:  # the handle was never opened: give back torch's IPC count
-                release_unopened(grant.full_manifest().arenas[0].handle)
+            if arena is None:  # the handles were never opened: give back torch's IPC count
+                for descriptor in grant.arenas:
+                    release_unopened(descriptor.handle)
             with contextlib.suppress(WeightCacheError):
                 client.release(grant.lease.id)
             if arena is not None:
                 arena.close()
             raise
     attachment = Attachment(config, grant, tensors, storages, arena, timings)
-    if not attachment.zero_copy():
-        attachment.close()
-        raise VerificationError(
-            "rebuilt tensors do not alias the arena", reason=Reason.manifest_invalid.value
-        )
     if keep_alive:
         attachment.keeper = LeaseKeeper(
             config, grant.lease.id, grant.lease.ttl_s, attachment._lost, renew_every_s

@@ -14,20 +14,25 @@ import collections
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 from pydantic import BaseModel
 
-from service.errors import DaemonUnavailableError, WeightCacheError, error_from_problem
+from service.errors import (
+    DaemonUnavailableError,
+    VerificationError,
+    WeightCacheError,
+    error_from_problem,
+)
 from service.schemas.health import Health, Readiness
 from service.schemas.inventory import Inventory
 from service.schemas.layout import Kernel, WeightFormat
 from service.schemas.leases import LeaseGrant, LeaseInfo, LeaseRequest
 from service.schemas.manifest import Manifest
-from service.schemas.models import LoadModelRequest, ModelInfo
+from service.schemas.models import ModelInfo
 
 DEFAULT_URL = "http://127.0.0.1:8470"
 T = TypeVar("T", bound=BaseModel)
@@ -43,7 +48,6 @@ class ClientConfig:
     timeout_s: float = 10.0
     retries: int = 2
     retry_backoff_s: float = 0.1
-    headers: dict[str, str] = field(default_factory=dict)
     cache_layouts: bool = True  # send known_layout for layouts this process already holds
 
     @classmethod
@@ -61,7 +65,7 @@ class ClientConfig:
         return cls(**values)
 
     def _headers(self) -> dict[str, str]:
-        headers = {"accept": "application/json", **self.headers}
+        headers = {"accept": "application/json"}
         if self.token:
             headers["authorization"] = f"Bearer {self.token}"
         return headers
@@ -95,38 +99,37 @@ LayoutKey = tuple[str, str, int, int]  # (daemon address, model, tp_rank, tp_siz
 
 
 class LayoutCache:
-    """Manifests this process has received, by layout digest. A client sends the digest of the
-    layout it holds for a model and rank as ``known_layout``; the daemon then returns only the
-    lease and fresh handles, and the cached layout is completed with them. A restarted daemon
-    has a new digest (its boot id is part of the layout), so nothing stale is ever reused."""
+    """Manifests this process has received, by model and rank. A client names the layout it
+    holds (its digest) as ``known_layout``; the daemon then returns only the lease and fresh
+    handles, and the grant is completed with the manifest the request named, which the request
+    keeps hold of, so an eviction meanwhile cannot lose it. A restarted daemon has a new digest
+    (its boot id is part of the layout), so nothing stale is ever reused."""
 
     def __init__(self, size: int = 64) -> None:
         self.size = size
-        self._manifests: collections.OrderedDict[str, Manifest] = collections.OrderedDict()
-        self._latest: dict[LayoutKey, str] = {}
+        self._manifests: collections.OrderedDict[LayoutKey, Manifest] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def known(self, key: LayoutKey) -> str | None:
+    def known(self, key: LayoutKey) -> Manifest | None:
         with self._lock:
-            digest = self._latest.get(key)
-            return digest if digest in self._manifests else None
+            return self._manifests.get(key)
 
-    def complete(self, key: LayoutKey, grant: LeaseGrant) -> LeaseGrant | None:
-        """The grant with its manifest filled in; None if the layout it refers to was evicted
-        meanwhile (the caller then leases again without naming it)."""
+    def complete(self, key: LayoutKey, grant: LeaseGrant, named: Manifest | None) -> LeaseGrant:
+        """The grant with its manifest: the one it carries (remembered for next time), else the
+        one the request named as known."""
+        if grant.manifest is None:
+            if named is None or named.layout_digest != grant.layout_digest:
+                raise VerificationError(
+                    "the daemon left out a layout this client did not name",
+                    reason="manifest_invalid",
+                )
+            return grant.model_copy(update={"manifest": named})
         with self._lock:
-            if grant.manifest is not None:
-                self._manifests[grant.layout_digest] = grant.manifest
-                self._manifests.move_to_end(grant.layout_digest)
-                while len(self._manifests) > self.size:
-                    self._manifests.popitem(last=False)
-                self._latest[key] = grant.layout_digest
-                return grant
-            cached = self._manifests.get(grant.layout_digest)
-        if cached is None:
-            return None
-        full = cached.model_copy(update={"arenas": grant.arenas})
-        return grant.model_copy(update={"manifest": full})
+            self._manifests[key] = grant.manifest
+            self._manifests.move_to_end(key)
+            while len(self._manifests) > self.size:
+                self._manifests.popitem(last=False)
+        return grant
 
 
 LAYOUTS = LayoutCache()
@@ -134,40 +137,36 @@ LAYOUTS = LayoutCache()
 _LIMITS = httpx.Limits(max_connections=256, max_keepalive_connections=256)
 
 
-def _lease_body(
-    config: ClientConfig,
-    key: LayoutKey,
-    kernel: str,
-    format: str,
-    ttl_s: float | None,
-    client_pid: int | None,
-) -> dict[str, Any]:
-    _, model, tp_rank, tp_size = key
-    body = LeaseRequest(
-        model=model,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        kernel=kernel,
-        format=format,
-        client_pid=client_pid or os.getpid(),
-        ttl_s=ttl_s,
-        known_layout=LAYOUTS.known(key) if config.cache_layouts else None,
-    )
-    return body.model_dump(mode="json", exclude_none=True)
+class _LeaseCall:
+    """One lease request: its body (naming the layout this process holds, if any) and how to
+    turn the daemon's answer into a grant with its manifest."""
 
+    def __init__(
+        self,
+        config: ClientConfig,
+        model: str,
+        tp_rank: int,
+        tp_size: int,
+        kernel: str,
+        format: str,
+        ttl_s: float | None,
+    ) -> None:
+        self.key: LayoutKey = (config._base_url() + (config.uds or ""), model, tp_rank, tp_size)
+        self.named = LAYOUTS.known(self.key) if config.cache_layouts else None
+        self.body = LeaseRequest(
+            model=model,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            kernel=kernel,
+            format=format,
+            client_pid=os.getpid(),
+            ttl_s=ttl_s,
+            known_layout=self.named.layout_digest if self.named else None,
+        ).model_dump(mode="json", exclude_none=True)
 
-def _complete(key: LayoutKey, content: bytes) -> tuple[LeaseGrant | None, str | None]:
-    """(the grant with its manifest, None), or (None, lease id to release) when the grant named
-    a layout this process no longer holds; that grant's IPC reference is handed back here."""
-    from engine_client.arenas import release_unopened
-
-    grant = LeaseGrant.model_validate_json(content)
-    full = LAYOUTS.complete(key, grant)
-    if full is not None:
-        return full, None
-    for arena in grant.arenas:
-        release_unopened(arena.handle)
-    return None, grant.lease.id
+    def grant(self, response: httpx.Response) -> LeaseGrant:
+        grant = LeaseGrant.model_validate_json(response.content)
+        return LAYOUTS.complete(self.key, grant, self.named)
 
 
 _RETRYABLE = (
@@ -249,32 +248,6 @@ class DaemonClient:
     def model(self, model_id: str) -> ModelInfo:
         return self._get(f"/v1/models/{model_id}", ModelInfo)
 
-    def load_model(self, path: str, model_id: str | None = None, tp_size: int = 1) -> ModelInfo:
-        body = LoadModelRequest(path=path, id=model_id, tp_size=tp_size)
-        response = self._request(
-            "POST", "/v1/models", idempotent=False, json=body.model_dump(exclude_none=True)
-        )
-        return ModelInfo.model_validate_json(response.content)
-
-    def unload_model(self, model_id: str) -> None:
-        self._request("DELETE", f"/v1/models/{model_id}", idempotent=True)
-
-    def wait_ready(
-        self, model_id: str, timeout_s: float = 600.0, poll_s: float = 0.05
-    ) -> ModelInfo:
-        """Poll until the model is ready (raises its load error if it failed)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            info = self.model(model_id)
-            if info.state.value == "ready":
-                return info
-            if info.state.value == "failed":
-                assert info.error is not None
-                raise error_from_problem(info.error.model_dump(exclude_none=True), 422)
-            if time.monotonic() > deadline:
-                raise DaemonUnavailableError(f"model {model_id} not ready after {timeout_s} s")
-            time.sleep(poll_s)
-
     def lease(
         self,
         model: str,
@@ -283,27 +256,14 @@ class DaemonClient:
         kernel: str = Kernel.cutlass.value,
         format: str = WeightFormat.default.value,
         ttl_s: float | None = None,
-        client_pid: int | None = None,
     ) -> LeaseGrant:
         """Lease one rank; the returned grant always carries the full manifest."""
-        key = (self.config._base_url() + (self.config.uds or ""), model, tp_rank, tp_size)
-        body = _lease_body(self.config, key, kernel, format, ttl_s, client_pid)
-        response = self._request("POST", "/v1/leases", idempotent=False, json=body)
-        full, unusable = _complete(key, response.content)
-        if unusable is not None:  # our copy of the layout was evicted meanwhile: lease again
-            self.release(unusable)
-            body.pop("known_layout")
-            response = self._request("POST", "/v1/leases", idempotent=False, json=body)
-            full, _ = _complete(key, response.content)
-        assert full is not None
-        return full
+        call = _LeaseCall(self.config, model, tp_rank, tp_size, kernel, format, ttl_s)
+        return call.grant(self._request("POST", "/v1/leases", idempotent=False, json=call.body))
 
     def leases(self) -> list[LeaseInfo]:
         response = self._request("GET", "/v1/leases", idempotent=True)
         return [LeaseInfo.model_validate(x) for x in response.json()]
-
-    def get_lease(self, lease_id: str) -> LeaseInfo:
-        return self._get(f"/v1/leases/{lease_id}", LeaseInfo)
 
     def renew(self, lease_id: str, ttl_s: float | None = None) -> LeaseInfo:
         body = {"ttl_s": ttl_s} if ttl_s is not None else None
@@ -325,7 +285,6 @@ class AsyncDaemonClient:
         self._http = httpx.AsyncClient(
             base_url=self.config._base_url(),
             transport=transport,
-            limits=_LIMITS,
             headers=self.config._headers(),
             timeout=self.config.timeout_s,
         )
@@ -378,20 +337,12 @@ class AsyncDaemonClient:
         kernel: str = Kernel.cutlass.value,
         format: str = WeightFormat.default.value,
         ttl_s: float | None = None,
-        client_pid: int | None = None,
     ) -> LeaseGrant:
         """Lease one rank; the returned grant always carries the full manifest."""
-        key = (self.config._base_url() + (self.config.uds or ""), model, tp_rank, tp_size)
-        body = _lease_body(self.config, key, kernel, format, ttl_s, client_pid)
-        response = await self._request("POST", "/v1/leases", idempotent=False, json=body)
-        full, unusable = _complete(key, response.content)
-        if unusable is not None:  # our copy of the layout was evicted meanwhile: lease again
-            await self.release(unusable)
-            body.pop("known_layout")
-            response = await self._request("POST", "/v1/leases", idempotent=False, json=body)
-            full, _ = _complete(key, response.content)
-        assert full is not None
-        return full
+        call = _LeaseCall(self.config, model, tp_rank, tp_size, kernel, format, ttl_s)
+        return call.grant(
+            await self._request("POST", "/v1/leases", idempotent=False, json=call.body)
+        )
 
     async def renew(self, lease_id: str, ttl_s: float | None = None) -> LeaseInfo:
         body = {"ttl_s": ttl_s} if ttl_s is not None else None

@@ -19,6 +19,7 @@ from service.errors import VerificationError
 from service.memory.checksum import storage_checksum
 from service.memory.devices import cuda_uuid, host_id
 from service.schemas.layout import Kernel, Scheme, WeightFormat
+from service.schemas.leases import LeaseGrant
 from service.schemas.manifest import DeviceKind, Manifest
 from service.version import PROTOCOL_VERSION
 
@@ -136,8 +137,9 @@ def _check_layers(manifest: Manifest, expect: Expectations) -> None:
             )
 
 
-def verify_manifest(manifest: Manifest, expect: Expectations) -> None:
+def verify_grant(grant: LeaseGrant, expect: Expectations) -> None:
     """Everything that can be checked before the arena is opened."""
+    manifest = grant.full_manifest()
     if manifest.daemon.protocol_version != PROTOCOL_VERSION:
         raise _fail(
             Reason.protocol_version,
@@ -165,10 +167,11 @@ def verify_manifest(manifest: Manifest, expect: Expectations) -> None:
             f"lease is {manifest.checkpoint.quant_algo}, engine expects {expect.quant.quant_algo}",
         )
     _check_layers(manifest, expect)
-    arena_sizes = {a.index: a.nbytes for a in manifest.arenas}
+    if [a.index for a in grant.arenas] != [0]:
+        raise _fail(Reason.manifest_invalid, "a rank's tensors are served from one arena")
+    size = grant.arenas[0].nbytes
     for t in manifest.tensors:
-        size = arena_sizes.get(t.arena)
-        if size is None or t.offset < 0 or t.offset + t.nbytes > size:
+        if t.arena != 0 or t.offset < 0 or t.offset + t.nbytes > size:
             raise _fail(Reason.manifest_invalid, f"{t.name} lies outside its arena", tensor=t.name)
 
 

@@ -50,7 +50,7 @@ class Progress:
 class ResidentRank:
     """One TP rank of a loaded model: its arena and its manifest (without handles).
 
-    The manifest's JSON is rendered once here: a lease only adds its own handle to it.
+    The manifest's JSON is rendered once here: a lease only adds its own handle beside it.
     """
 
     arena: Arena
@@ -58,7 +58,7 @@ class ResidentRank:
     manifest_json: bytes = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.manifest_json = self.manifest.model_dump_json(exclude={"arenas"}).encode()
+        self.manifest_json = self.manifest.model_dump_json().encode()
 
 
 @dataclass(frozen=True)
@@ -158,9 +158,8 @@ def _manifest(
         ],
         layers=plan.layouts,
         layout_digest="",
-        arenas=[],
     )
-    layout = manifest.model_dump_json(exclude={"arenas", "layout_digest"}).encode()
+    layout = manifest.model_dump_json(exclude={"layout_digest"}).encode()
     return manifest.model_copy(update={"layout_digest": xxhash.xxh3_128_hexdigest(layout)})
 
 

@@ -54,10 +54,12 @@ class LeaseInfo(BaseModel):
 class LeaseGrant(BaseModel):
     lease: LeaseInfo
     layout_digest: str
-    arenas: list[ArenaDescriptor] = Field(description="this lease's handles (also in manifest)")
+    arenas: list[ArenaDescriptor] = Field(
+        description="this lease's handles, exported afresh; tensors name them by index"
+    )
     manifest: Manifest | None = Field(
         description="null when the request's known_layout equals layout_digest: the client "
-        "reuses the manifest it holds, with these arenas"
+        "reuses the manifest it holds"
     )
 
     def full_manifest(self) -> Manifest:

@@ -120,4 +120,3 @@ class Manifest(BaseModel):
         description="xxh3-128 of all of the above; a client holding this layout sends it back "
         "as known_layout and gets only the lease and fresh handles"
     )
-    arenas: list[ArenaDescriptor] = Field(description="exported afresh for every lease")

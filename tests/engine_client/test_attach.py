@@ -74,7 +74,7 @@ def test_checksums_verify_and_catch_corruption(daemon_process, tiny_fp8) -> None
     config = ClientConfig(url=daemon_process.url)
     with attach("tiny", expectations(tiny_fp8, verify_checksums=True), config=config) as att:
         assert att.timings.checksum_ms > 0
-        path = Path(att.manifest.arenas[0].handle.path)  # type: ignore[union-attr]
+        path = Path(att.grant.arenas[0].handle.path)  # type: ignore[union-attr]
     # Flip one byte of the daemon's arena behind its back (root can map it writable).
     fd = os.open(path, os.O_RDWR)
     with mmap.mmap(fd, 0) as m:

@@ -15,6 +15,7 @@ from service.errors import (
     LayoutMismatchError,
     ModelNotFoundError,
     UnauthorizedError,
+    VerificationError,
 )
 from tests.daemon_process import free_port, start_daemon
 
@@ -127,40 +128,63 @@ def test_layouts_are_fetched_once_per_process(daemon_process, monkeypatch) -> No
     slim: list[bool] = []
     real_complete = LAYOUTS.complete
 
-    def observed(key, grant):  # records whether the daemon sent the layout, then completes it
+    def observed(key, grant, named):  # records whether the daemon sent the layout, completes it
         slim.append(grant.manifest is None)
-        return real_complete(key, grant)
+        return real_complete(key, grant, named)
 
     monkeypatch.setattr(LAYOUTS, "complete", observed)
     config = ClientConfig(url=daemon_process.url)
     with DaemonClient(config) as client:
         first = client.lease("tiny", ttl_s=5)
         key = (f"{daemon_process.url}", "tiny", 0, 1)
-        assert LAYOUTS.known(key) == first.layout_digest
+        assert LAYOUTS.known(key) == first.manifest
         second = client.lease("tiny", ttl_s=5)
     assert slim == [False, True]
     assert second.full_manifest().tensors == first.full_manifest().tensors
     assert second.full_manifest().layers == first.full_manifest().layers
-    assert second.full_manifest().arenas == second.arenas  # completed with its own handles
+    assert second.manifest is first.manifest  # this process's copy, not a second download
     with DaemonClient(ClientConfig(url=daemon_process.url, cache_layouts=False)) as client:
         assert client.lease("tiny", ttl_s=5).manifest is not None
 
 
-def test_a_layout_evicted_mid_lease_is_fetched_again(daemon_process, monkeypatch) -> None:
-    """The client named a layout, but lost its copy before the answer came: it gives that lease
-    back and leases again with the full manifest, leaving one lease, not two."""
+def test_a_layout_evicted_mid_lease_still_completes_the_grant(daemon_process, monkeypatch) -> None:
+    """The client named a layout, and its cache dropped it before the answer came: the request
+    kept the manifest it named, so the grant is complete and one lease is held, not two."""
     from engine_client.client import LAYOUTS
 
     config = ClientConfig(url=daemon_process.url)
     with DaemonClient(config) as client:
-        digest = client.lease("tiny", ttl_s=30).layout_digest
-        for lease in client.leases():
-            client.release(lease.id)
-        monkeypatch.setattr(LAYOUTS, "known", lambda key: digest)
-        LAYOUTS._manifests.clear()
+        first = client.lease("tiny", ttl_s=30)
+        client.release(first.lease.id)
+        real_known = LAYOUTS.known
+
+        def known_then_evicted(key):
+            named = real_known(key)
+            LAYOUTS._manifests.clear()
+            return named
+
+        monkeypatch.setattr(LAYOUTS, "known", known_then_evicted)
         grant = client.lease("tiny", ttl_s=30)
-        assert grant.full_manifest().layout_digest == digest
+        assert grant.full_manifest() == first.full_manifest()
         assert [lease.id for lease in client.leases()] == [grant.lease.id]
+
+
+def test_a_grant_without_the_named_layout_is_refused(daemon_process) -> None:
+    """A daemon that leaves out a layout the request did not name breaks the protocol: the
+    grant is refused rather than completed with the wrong manifest."""
+    from engine_client.client import LAYOUTS, LayoutCache
+
+    config = ClientConfig(url=daemon_process.url, cache_layouts=False)
+    with DaemonClient(config) as client:
+        grant = client.lease("tiny", ttl_s=30)
+        client.release(grant.lease.id)
+    slim = grant.model_copy(update={"manifest": None})
+    key = (daemon_process.url, "tiny", 0, 1)
+    for named in (None, grant.full_manifest().model_copy(update={"layout_digest": "0" * 32})):
+        with pytest.raises(VerificationError) as err:
+            LayoutCache().complete(key, slim, named)
+        assert err.value.reason == "manifest_invalid"
+    assert LAYOUTS.complete(key, slim, grant.full_manifest()).manifest is grant.manifest
 
 
 def test_ready_reports_loading_without_raising(tmp_path: Path, tiny_fp8: Path) -> None:

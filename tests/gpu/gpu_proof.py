@@ -90,7 +90,7 @@ def engine(url: str, model: str, checkpoint: Path) -> dict[str, Any]:
             first[n].data_ptr() == second[n].data_ptr() for n in first
         )
     else:  # two read-only mappings of the same shared-memory file: the same pages
-        handles = [r.attachment.manifest.arenas[0].handle for r in attaches if r.attachment]
+        handles = [r.attachment.grant.arenas[0].handle for r in attaches if r.attachment]
         report["attaches_share_pointers"] = len({getattr(h, "path", None) for h in handles}) == 1
     report["attach_not_a_disk_copy"] = all(first[n].data_ptr() != disk[n].data_ptr() for n in first)
     report["engine_allocator_growth_bytes"] = (
