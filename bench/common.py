@@ -32,6 +32,12 @@ def warm_page_cache(path: Path) -> int:
     return total
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank, no interpolation)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def median_seconds(fn: Callable[[], object], repeats: int) -> tuple[float, list[float]]:
     times = []
     for _ in range(repeats):

@@ -25,15 +25,10 @@ from typing import Any
 
 import httpx
 
-from bench.common import CACHE, demo_checkpoint
+from bench.common import CACHE, demo_checkpoint, percentile
 from engine_client.client import AsyncDaemonClient, ClientConfig
 from service.errors import WeightCacheError
 from tests.daemon_process import start_daemon
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def lease_round_trips(

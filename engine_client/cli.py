@@ -19,6 +19,7 @@ from engine_client.loading import load_from_disk
 from engine_client.verify import Expectations
 from service.errors import WeightCacheError
 from service.schemas.layout import LayerLayout
+from service.schemas.models import ModelState
 
 
 def run_layers(
@@ -41,7 +42,7 @@ def run_layers(
 
 
 def _pick_model(client: DaemonClient) -> str:
-    ready = [m.id for m in client.models() if m.state.value == "ready"]
+    ready = [m.id for m in client.models() if m.state is ModelState.ready]
     if len(ready) != 1:
         raise click.UsageError(f"pass --model; ready models: {', '.join(ready) or 'none'}")
     return ready[0]
@@ -78,11 +79,9 @@ def attach_command(
 ) -> None:
     """Attach to a model as an engine would and run every layer on a fixed input."""
     config = client_config(url, uds, token_file)
-    dev = torch.device(
-        "cuda"
-        if device == "auto" and torch.cuda.is_available()
-        else ("cpu" if device == "auto" else device)
-    )
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
     try:
         with DaemonClient(config) as client:
             model_id = model_id or _pick_model(client)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -40,5 +39,4 @@ def daemon_options(command: F) -> F:
 
 
 def client_config(url: str, uds: str | None, token_file: str | None) -> ClientConfig:
-    token = Path(token_file).read_text(encoding="utf-8").strip() if token_file else None
-    return ClientConfig.from_env(url=url, uds=uds, token=token)
+    return ClientConfig.from_env(token_file, url=url, uds=uds)

@@ -15,7 +15,6 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -33,6 +32,7 @@ from service.schemas.layout import Kernel, WeightFormat
 from service.schemas.leases import LeaseGrant, LeaseInfo, LeaseRequest
 from service.schemas.manifest import Manifest
 from service.schemas.models import ModelInfo
+from service.tokens import read_token_file
 
 DEFAULT_URL = "http://127.0.0.1:8470"
 T = TypeVar("T", bound=BaseModel)
@@ -51,17 +51,22 @@ class ClientConfig:
     cache_layouts: bool = True  # send known_layout for layouts this process already holds
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> ClientConfig:
-        token = os.environ.get("WEIGHT_CACHE_TOKEN")
-        token_file = os.environ.get("WEIGHT_CACHE_TOKEN_FILE")
-        if token is None and token_file:
-            token = Path(token_file).read_text(encoding="utf-8").strip()
+    def from_env(cls, token_file: str | None = None, **overrides: Any) -> ClientConfig:
+        """The environment under the ``overrides`` given (None: not given). The token is the
+        first of: ``token``, ``token_file``, ``WEIGHT_CACHE_TOKEN``, ``WEIGHT_CACHE_TOKEN_FILE``."""
         values: dict[str, Any] = {
             "url": os.environ.get("WEIGHT_CACHE_URL", DEFAULT_URL),
             "uds": os.environ.get("WEIGHT_CACHE_UDS") or None,
-            "token": token,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
+        if values.get("token") is None:
+            env_file = os.environ.get("WEIGHT_CACHE_TOKEN_FILE")
+            if token_file:
+                values["token"] = read_token_file(token_file)
+            elif "WEIGHT_CACHE_TOKEN" in os.environ:
+                values["token"] = os.environ["WEIGHT_CACHE_TOKEN"]
+            elif env_file:
+                values["token"] = read_token_file(env_file)
         return cls(**values)
 
     def _headers(self) -> dict[str, str]:

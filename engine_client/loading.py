@@ -21,7 +21,7 @@ from engine_client.attach import Attachment, attach
 from engine_client.client import ClientConfig
 from engine_client.verify import Expectations
 from service.checkpoint import Checkpoint
-from service.errors import ModelLoadingError, WeightCacheError
+from service.errors import ModelLoadingError, VerificationError, WeightCacheError
 from service.processing import load_processed, plan_model
 from service.schemas.layout import LayerLayout
 
@@ -49,10 +49,7 @@ _PROM = _prometheus_counter()
 
 def fallback_reason(error: WeightCacheError) -> str:
     """The stated reason: a verification's own reason code, else the error's code."""
-    reason = error.extra.get("reason")
-    if error.code == "verification_failed" and reason:
-        return str(reason)
-    return error.code
+    return error.reason if isinstance(error, VerificationError) else error.code
 
 
 def record_fallback(error: WeightCacheError, action: str) -> str:

@@ -17,7 +17,7 @@ from service.checkpoint import Checkpoint
 from service.checkpoint.quant_config import QuantConfig
 from service.errors import VerificationError
 from service.memory.checksum import storage_checksum
-from service.memory.devices import cuda_uuid, host_id
+from service.memory.devices import Placement
 from service.schemas.layout import Kernel, Scheme, WeightFormat
 from service.schemas.leases import LeaseGrant
 from service.schemas.manifest import DeviceKind, Manifest
@@ -70,35 +70,28 @@ def _fail(reason: Reason, detail: str, **extra: object) -> VerificationError:
 
 def _check_device(manifest: Manifest, device: torch.device) -> None:
     leased = manifest.device
-    if device.type == "cuda":
-        if leased.kind is not DeviceKind.cuda:
-            raise _fail(Reason.device_mismatch, f"lease is on {leased.kind.value}, engine on cuda")
+    kind = DeviceKind.cuda if device.type == "cuda" else DeviceKind.cpu
+    if leased.kind is not kind:
+        raise _fail(
+            Reason.device_mismatch, f"lease is on {leased.kind.value}, engine on {kind.value}"
+        )
+    index = None
+    if kind is DeviceKind.cuda:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        mine = cuda_uuid(index)
-        if leased.uuid != mine:
-            raise _fail(
-                Reason.device_mismatch,
-                f"lease is on GPU {leased.uuid}, engine on {mine}",
-                leased=leased.uuid,
-                engine=mine,
-            )
-        props = torch.cuda.get_device_properties(index)
-        capability = f"{props.major}.{props.minor}"
-        if leased.compute_capability != capability:
-            raise _fail(
-                Reason.capability_mismatch,
-                f"lease processed for sm {leased.compute_capability}, engine is {capability}",
-            )
-    else:
-        if leased.kind is not DeviceKind.cpu:
-            raise _fail(Reason.device_mismatch, f"lease is on {leased.kind.value}, engine on cpu")
-        if leased.uuid != host_id():
-            raise _fail(
-                Reason.device_mismatch,
-                "lease is in another host's shared memory",
-                leased=leased.uuid,
-                engine=host_id(),
-            )
+    mine = Placement(kind, index).identity()
+    if leased.uuid != mine.uuid:
+        raise _fail(
+            Reason.device_mismatch,
+            f"lease is on {leased.uuid}, engine on {mine.uuid}",
+            leased=leased.uuid,
+            engine=mine.uuid,
+        )
+    if leased.compute_capability != mine.compute_capability:
+        raise _fail(
+            Reason.capability_mismatch,
+            f"lease processed for sm {leased.compute_capability}, engine is "
+            f"{mine.compute_capability}",
+        )
 
 
 def _check_layers(manifest: Manifest, expect: Expectations) -> None:

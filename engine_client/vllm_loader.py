@@ -39,7 +39,6 @@ from engine_client.verify import Expectations, Reason
 from service.checkpoint import checkpoint_fingerprint
 from service.errors import (
     ModelNotFoundError,
-    UnauthorizedError,
     VerificationError,
     WeightCacheError,
 )
@@ -68,16 +67,8 @@ class LoaderOptions(BaseModel):
     verify_checksums: bool = False
 
     def client_config(self) -> ClientConfig:
-        token = self.token
-        if token is None and self.token_file:
-            try:
-                token = Path(self.token_file).read_text(encoding="utf-8").strip()
-            except OSError as exc:
-                raise UnauthorizedError(
-                    f"cannot read token_file {self.token_file}: {exc.strerror}"
-                ) from exc
         return ClientConfig.from_env(
-            url=self.url, uds=self.uds, token=token, timeout_s=self.timeout
+            self.token_file, url=self.url, uds=self.uds, token=self.token, timeout_s=self.timeout
         )
 
 

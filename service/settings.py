@@ -9,7 +9,9 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.errors import UnauthorizedError
 from service.schemas.models import default_model_id
+from service.tokens import read_token_file
 
 DEFAULT_PORT = 8470
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -55,12 +57,9 @@ class DaemonSettings(BaseSettings):
         """A token file, when given (by flag or environment), wins over a token value."""
         if self.token_file is not None:
             try:
-                text = self.token_file.read_text(encoding="utf-8").strip()
-            except OSError as exc:
-                raise ValueError(f"cannot read token file {self.token_file}: {exc}") from exc
-            if not text:
-                raise ValueError(f"token file {self.token_file} is empty")
-            self.token = SecretStr(text)
+                self.token = SecretStr(read_token_file(self.token_file))
+            except UnauthorizedError as exc:
+                raise ValueError(exc.detail) from exc
         return self
 
     def startup_models(self) -> list[tuple[Path, str]]:

@@ -106,45 +106,29 @@ def _free_without_a_context(uuid: str) -> int | None:
 def device_infos(device: str, shm_dir: Path, in_use: set[int]) -> list[DeviceInfo]:
     """Every device the daemon may place arenas on, with its memory. Free memory comes from
     torch only for GPUs already holding arenas (``in_use``), else from NVML if it can."""
-    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
         usage = shutil.disk_usage(shm_dir)
-        ident = Placement(DeviceKind.cpu).identity()
-        return [
-            DeviceInfo(
-                kind=ident.kind,
-                name=ident.name,
-                uuid=ident.uuid,
-                compute_capability=None,
-                total_memory=usage.total,
-                free_memory=usage.free,
-            )
-        ]
+        return [_info(Placement(DeviceKind.cpu).identity(), usage.total, usage.free)]
     indices = (
-        range(torch.cuda.device_count())
-        if device in ("auto", "cuda")
-        else [int(device.split(":", 1)[1])]
+        range(torch.cuda.device_count()) if device == "cuda" else [int(device.split(":", 1)[1])]
     )
     infos = []
     for index in indices:
         ident = Placement(DeviceKind.cuda, index).identity()
-        total = torch.cuda.get_device_properties(index).total_memory
         assert ident.uuid is not None
         free = (
             torch.cuda.mem_get_info(index)[0]
             if index in in_use
             else _free_without_a_context(ident.uuid)
         )
-        infos.append(
-            DeviceInfo(
-                kind=ident.kind,
-                name=ident.name,
-                uuid=ident.uuid,
-                compute_capability=ident.compute_capability,
-                total_memory=total,
-                free_memory=free,
-            )
-        )
+        infos.append(_info(ident, torch.cuda.get_device_properties(index).total_memory, free))
     return infos
+
+
+def _info(ident: DeviceIdentity, total: int, free: int | None) -> DeviceInfo:
+    return DeviceInfo(**ident.model_dump(exclude={"index"}), total_memory=total, free_memory=free)
 
 
 def process_alive(pid: int, start_ticks: int | None = None) -> bool:
