@@ -15,13 +15,11 @@ from pathlib import Path
 
 import torch
 
-from service.checkpoint import Checkpoint
 from service.errors import (
     CheckpointNotFoundError,
     InsufficientMemoryError,
     InvalidRequestError,
     LayoutMismatchError,
-    LoadCancelledError,
     ModelExistsError,
     ModelFailedError,
     ModelInUseError,
@@ -35,13 +33,13 @@ from service.memory.shm import remove_stale_files
 from service.metrics import Metrics
 from service.registry.grant import Grant
 from service.registry.leases import Lease, LeaseEnd, LeaseTable
-from service.registry.loader import LoadRequest, load_model
+from service.registry.loader import LoadCancelled, LoadRequest, load_model
 from service.registry.models import ModelRecord
 from service.schemas.health import Health, Readiness
 from service.schemas.inventory import Inventory
 from service.schemas.layout import Kernel, WeightFormat
 from service.schemas.leases import LeaseInfo, LeaseRequest
-from service.schemas.manifest import ArenaDescriptor, DaemonIdentity
+from service.schemas.manifest import ArenaDescriptor, CheckpointIdentity, DaemonIdentity
 from service.schemas.models import ModelInfo, ModelState, default_model_id
 from service.settings import DaemonSettings
 from service.version import PROTOCOL_VERSION, __version__
@@ -166,11 +164,9 @@ class Daemon:
         thread.start()
         return record
 
-    def _opened(self, record: ModelRecord, ckpt: Checkpoint) -> None:
+    def _opened(self, record: ModelRecord, checkpoint: CheckpointIdentity) -> None:
         with self.lock:
-            record.architecture = ckpt.dims.architecture
-            record.quant_algo = ckpt.quant.quant_algo
-            record.fingerprint = ckpt.fingerprint
+            record.checkpoint = checkpoint
 
     def _reserve(self, record: ModelRecord, nbytes: int) -> None:
         """Claim budget for a load before it allocates, so concurrent loads cannot together
@@ -200,7 +196,7 @@ class Daemon:
         log.info("loading %s from %s (tp_size %d)", record.id, record.path, record.tp_size)
         try:
             ranks = load_model(request, record.progress)
-        except LoadCancelledError:
+        except LoadCancelled:
             log.info("loading %s cancelled by an unload", record.id)
             return
         except WeightCacheError as exc:

@@ -163,6 +163,12 @@ class NotFoundError(WeightCacheError):
     title = "Not found"
 
 
+class MethodNotAllowedError(WeightCacheError):
+    code = "method_not_allowed"
+    status = 405
+    title = "Method not allowed on this path"
+
+
 class ModelNotFoundError(NotFoundError):
     code = "model_not_found"
     title = "Unknown model"
@@ -192,11 +198,6 @@ class ModelInUseError(ConflictError):
 class ModelFailedError(ConflictError):
     code = "model_failed"
     title = "Model failed to load"
-
-
-class LoadCancelledError(ConflictError):
-    code = "load_cancelled"
-    title = "Load cancelled by an unload"
 
 
 class LayoutMismatchError(ConflictError):

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.api.problems import REFUSED, problem_response
 from service.errors import PayloadTooLargeError
-
-_MEDIA = b"application/problem+json"
-REFUSED = "weight_cache.body_refused"  # scope key set once this middleware has answered
 
 
 class BodySizeLimit:
@@ -23,25 +20,14 @@ class BodySizeLimit:
         self.max_bytes = max_bytes
         self.on_refuse = on_refuse
 
-    async def _refuse(self, scope: Scope, send: Send) -> None:
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[REFUSED] = True  # the app's own answer, if any, is dropped and not counted
         if self.on_refuse is not None:
             self.on_refuse(PayloadTooLargeError.code)
         error = PayloadTooLargeError(
             f"request body exceeds {self.max_bytes} bytes", limit=self.max_bytes
         )
-        body = json.dumps(error.problem_fields()).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": error.status,
-                "headers": [
-                    (b"content-type", _MEDIA),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await problem_response(error)(scope, receive, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -54,7 +40,7 @@ class BodySizeLimit:
                 except ValueError:
                     declared = self.max_bytes + 1
                 if declared > self.max_bytes:
-                    await self._refuse(scope, send)
+                    await self._refuse(scope, receive, send)
                     return
         seen = 0
         refused = False
@@ -67,7 +53,7 @@ class BodySizeLimit:
                 if seen > self.max_bytes and not refused:
                     # Answer now, and tell the app the client went away so it stops reading.
                     refused = True
-                    await self._refuse(scope, send)
+                    await self._refuse(scope, receive, send)
                     return {"type": "http.disconnect"}
             return message
 

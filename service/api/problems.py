@@ -10,10 +10,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.api.limits import REFUSED
 from service.errors import (
     InvalidRequestError,
+    MethodNotAllowedError,
     ModelLoadingError,
+    NotFoundError,
     WeightCacheError,
 )
 from service.schemas.problem import Problem
@@ -21,6 +22,7 @@ from service.schemas.problem import Problem
 log = logging.getLogger(__name__)
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
+REFUSED = "weight_cache.body_refused"  # scope key set once the body limit has answered
 
 
 def problem_response(error: WeightCacheError, **headers: str) -> JSONResponse:
@@ -81,29 +83,21 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """The framework's own refusals (no route raises HTTPException), as typed errors."""
+        headers = dict(getattr(exc, "headers", None) or {})
+        error: WeightCacheError
         if exc.status_code == 400:  # a body the framework could not even parse
             error = InvalidRequestError(f"malformed request: {exc.detail}")
-            count(request, error.code)
-            return problem_response(error)
-        code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(
-            exc.status_code, "http_error"
-        )
-        body = WeightCacheError(str(exc.detail)).problem_fields() | {
-            "status": exc.status_code,
-            "code": code,
-            "type": f"urn:weight-cache:problem:{code}",
-            "title": str(exc.detail),
-        }
-        headers = dict(getattr(exc, "headers", None) or {})
-        if exc.status_code == 405:
+        elif exc.status_code == 404:
+            error = NotFoundError(str(exc.detail))
+        elif exc.status_code == 405:
+            error = MethodNotAllowedError(str(exc.detail))
             headers["Allow"] = ", ".join(_allowed_methods(request))
-        count(request, code)
-        return JSONResponse(
-            body,
-            status_code=exc.status_code,
-            media_type=PROBLEM_MEDIA_TYPE,
-            headers=headers or None,
-        )
+        else:
+            log.error("unexpected HTTP %d on %s: %s", exc.status_code, request.url.path, exc)
+            error = WeightCacheError(f"HTTP {exc.status_code}: {exc.detail}")
+        count(request, error.code)
+        return problem_response(error, **headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from service.processing.cutlass import pad_to_alignment
 from service.processing.plan import TensorSpec
 
 ALIGNMENT = 256
@@ -22,7 +23,7 @@ def pack(specs: Iterable[TensorSpec], alignment: int = ALIGNMENT) -> ArenaLayout
     for spec in specs:
         if spec.name in offsets:
             raise ValueError(f"tensor {spec.name} planned twice")
-        cursor += -cursor % alignment
+        cursor = pad_to_alignment(cursor, alignment)
         offsets[spec.name] = cursor
         cursor += spec.nbytes
     return ArenaLayout(offsets, max(cursor, alignment))

@@ -78,7 +78,8 @@ def requantize_lut(scale: torch.Tensor, new_scale: torch.Tensor) -> torch.Tensor
 def apply_code_lut(weight: torch.Tensor, lut: torch.Tensor) -> None:
     """Replace every e4m3 code of the CPU tensor ``weight`` (2-D) in place by ``lut[code]``.
 
-    NumPy releases the GIL while it gathers, so row blocks run on torch's intra-op threads.
+    NumPy releases the GIL while it gathers, so row blocks run in parallel threads, as many as
+    torch's intra-op setting allows.
     """
     codes = weight.view(torch.uint8).numpy()
     table = lut.numpy()

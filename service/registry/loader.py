@@ -18,7 +18,7 @@ import xxhash
 
 from service.checkpoint import Checkpoint
 from service.dtypes import to_wire
-from service.errors import InsufficientMemoryError, LoadCancelledError
+from service.errors import InsufficientMemoryError
 from service.memory.arena import Arena, allocate_arena
 from service.memory.checksum import storage_checksum
 from service.memory.devices import Placement
@@ -33,6 +33,10 @@ from service.schemas.manifest import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class LoadCancelled(Exception):
+    """An unload stopped this load while it ran."""
 
 
 @dataclass
@@ -72,7 +76,7 @@ class LoadRequest:
     # Claims bytes of the daemon's memory budget for this load; raises if they do not fit.
     reserve: Callable[[int], None]
     # Told what the checkpoint is as soon as it opened (engines match models by fingerprint).
-    opened: Callable[[Checkpoint], None]
+    opened: Callable[[CheckpointIdentity], None]
 
 
 class _Writer:
@@ -127,7 +131,11 @@ def _check_budget(req: LoadRequest, needed: int) -> None:
 
 
 def _manifest(
-    req: LoadRequest, ckpt: Checkpoint, plan: ModelPlan, arena: Arena, checksums: dict[str, str]
+    req: LoadRequest,
+    checkpoint: CheckpointIdentity,
+    plan: ModelPlan,
+    arena: Arena,
+    checksums: dict[str, str],
 ) -> Manifest:
     offsets = arena.layout.offsets
     manifest = Manifest(
@@ -136,13 +144,7 @@ def _manifest(
         tp_size=plan.tp_size,
         daemon=req.daemon,
         device=arena.device,
-        checkpoint=CheckpointIdentity(
-            path=str(ckpt.path),
-            fingerprint=ckpt.fingerprint,
-            architecture=ckpt.dims.architecture,
-            quant_algo=ckpt.quant.quant_algo,
-            kv_cache_quant_algo=ckpt.quant.kv_cache_quant_algo,
-        ),
+        checkpoint=checkpoint,
         tensors=[
             TensorEntry(
                 name=s.name,
@@ -167,7 +169,14 @@ def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
     """Load every rank of a model; raises a typed error and holds nothing on failure."""
     arenas: list[Arena] = []
     ckpt = Checkpoint.open(req.path)
-    req.opened(ckpt)
+    identity = CheckpointIdentity(
+        path=str(ckpt.path),
+        fingerprint=ckpt.fingerprint,
+        architecture=ckpt.dims.architecture,
+        quant_algo=ckpt.quant.quant_algo,
+        kv_cache_quant_algo=ckpt.quant.kv_cache_quant_algo,
+    )
+    req.opened(identity)
     try:
         plans = [plan_model(ckpt, req.tp_size, rank) for rank in range(req.tp_size)]
         layouts = [pack(plan.specs) for plan in plans]
@@ -188,7 +197,7 @@ def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
                 progress.bytes_done += nbytes
                 progress.tensors_done += ntensors
                 if progress.cancelled.is_set():
-                    raise LoadCancelledError(f"model {req.model_id} was unloaded while loading")
+                    raise LoadCancelled(f"model {req.model_id} was unloaded while loading")
                 if time.monotonic() - last_log > 2.0:
                     last_log = time.monotonic()
                     log.info(
@@ -204,7 +213,9 @@ def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
             execute_plan(ckpt, plan, writer.storage_for, advance)
             if placement.kind is DeviceKind.cuda:
                 torch.cuda.synchronize(placement.index)
-            ranks.append(ResidentRank(arena, _manifest(req, ckpt, plan, arena, writer.checksums)))
+            ranks.append(
+                ResidentRank(arena, _manifest(req, identity, plan, arena, writer.checksums))
+            )
         return ranks
     except BaseException:
         for arena in arenas:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from service.errors import WeightCacheError
 from service.registry.loader import Progress, ResidentRank
+from service.schemas.manifest import CheckpointIdentity
 from service.schemas.models import LoadProgress, ModelError, ModelInfo, ModelState
 
 
@@ -20,9 +21,7 @@ class ModelRecord:
     progress: Progress = field(default_factory=Progress)
     error: WeightCacheError | None = None
     ranks: list[ResidentRank] = field(default_factory=list)
-    architecture: str | None = None
-    quant_algo: str | None = None
-    fingerprint: str | None = None
+    checkpoint: CheckpointIdentity | None = None  # known once the checkpoint opened
     started_at: float = field(default_factory=time.monotonic)
     load_seconds: float | None = None
     reserved_bytes: int = 0  # memory budget claimed by this model (its arenas, once planned)
@@ -63,9 +62,9 @@ class ModelRecord:
                 tensors_total=p.tensors_total,
             ),
             error=error,
-            architecture=self.architecture,
-            quant_algo=self.quant_algo,
-            fingerprint=self.fingerprint,
+            architecture=self.checkpoint.architecture if self.checkpoint else None,
+            quant_algo=self.checkpoint.quant_algo if self.checkpoint else None,
+            fingerprint=self.checkpoint.fingerprint if self.checkpoint else None,
             bytes_resident=self.bytes_resident,
             tensors=len(first.tensors) if first else 0,
             layers=len(first.layers) if first else 0,

@@ -3,7 +3,9 @@ request that the lease path cannot afford)."""
 
 from __future__ import annotations
 
-from fastapi import Request
+from typing import Annotated
+
+from fastapi import Depends, Request
 
 from service.daemon import Daemon
 
@@ -11,3 +13,6 @@ from service.daemon import Daemon
 async def get_daemon(request: Request) -> Daemon:
     daemon: Daemon = request.app.state.daemon
     return daemon
+
+
+DaemonDep = Annotated[Daemon, Depends(get_daemon)]

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from service.api.routes.deps import get_daemon
-from service.daemon import Daemon
+from service.api.routes.deps import DaemonDep
 from service.schemas.health import Health, Readiness
 
 router = APIRouter(tags=["health"])
-DaemonDep = Annotated[Daemon, Depends(get_daemon)]
 
 
 @router.get("/health", response_model=Health, summary="Liveness, boot id and version")

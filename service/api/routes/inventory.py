@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
 from service.api.problems import problem_responses
-from service.api.routes.deps import get_daemon
-from service.daemon import Daemon
+from service.api.routes.deps import DaemonDep
 from service.schemas.inventory import Inventory
 
 router = APIRouter(prefix="/v1", tags=["inventory"], responses=problem_responses(401))
 
 
 @router.get("/inventory", response_model=Inventory, summary="Devices, cache memory and models")
-async def inventory(daemon: Annotated[Daemon, Depends(get_daemon)]) -> Inventory:
+async def inventory(daemon: DaemonDep) -> Inventory:
     return daemon.inventory()

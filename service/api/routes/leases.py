@@ -5,16 +5,14 @@ from __future__ import annotations
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Depends, Response, status
+from fastapi import APIRouter, Body, Response, status
 from fastapi import Path as PathParam
 
 from service.api.problems import problem_responses
-from service.api.routes.deps import get_daemon
-from service.daemon import Daemon
+from service.api.routes.deps import DaemonDep
 from service.schemas.leases import LeaseGrant, LeaseInfo, LeaseRequest, RenewRequest
 
 router = APIRouter(prefix="/v1/leases", tags=["leases"], responses=problem_responses(401, 422))
-DaemonDep = Annotated[Daemon, Depends(get_daemon)]
 LeaseId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]
 
 

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from service.api.problems import problem_responses
-from service.api.routes.deps import get_daemon
-from service.daemon import Daemon
+from service.api.routes.deps import DaemonDep
 
 router = APIRouter(tags=["metrics"], responses=problem_responses(401))
 
@@ -20,5 +17,5 @@ router = APIRouter(tags=["metrics"], responses=problem_responses(401))
     response_class=Response,
     responses={200: {"content": {"text/plain": {}}, "description": "Prometheus exposition"}},
 )
-async def metrics(daemon: Annotated[Daemon, Depends(get_daemon)]) -> Response:
+async def metrics(daemon: DaemonDep) -> Response:
     return Response(generate_latest(daemon.metrics.registry), media_type=CONTENT_TYPE_LATEST)

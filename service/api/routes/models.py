@@ -5,17 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Response, status
+from fastapi import APIRouter, Response, status
 from fastapi import Path as PathParam
 from starlette.concurrency import run_in_threadpool
 
 from service.api.problems import problem_responses
-from service.api.routes.deps import get_daemon
-from service.daemon import Daemon
+from service.api.routes.deps import DaemonDep
 from service.schemas.models import MODEL_ID_PATTERN, LoadModelRequest, ModelInfo
 
 router = APIRouter(prefix="/v1/models", tags=["models"], responses=problem_responses(401, 422))
-DaemonDep = Annotated[Daemon, Depends(get_daemon)]
 ModelId = Annotated[str, PathParam(pattern=MODEL_ID_PATTERN)]
 
 
