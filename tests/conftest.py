@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import shutil
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -63,3 +66,20 @@ def daemon_process(tmp_path: Path, tiny_fp8: Path):
     daemon = start_daemon(tmp_path, [tiny_fp8], "--model-id", "tiny")
     yield daemon
     daemon.stop()
+
+
+@pytest.fixture
+def held_load(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Every model load in this process waits, once planned, until the returned event is set
+    (set at teardown too, so a failing test never leaves a load hanging)."""
+    from service.processing import execute_plan
+
+    gate = threading.Event()
+
+    def held(*args: Any, **kwargs: Any) -> None:
+        gate.wait(30)
+        execute_plan(*args, **kwargs)
+
+    monkeypatch.setattr("service.registry.loader.execute_plan", held)
+    yield gate
+    gate.set()

@@ -9,11 +9,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
+
+if TYPE_CHECKING:
+    from service.settings import DaemonSettings
 
 
 def lease_body(model: str = "tiny", **over: Any) -> dict[str, Any]:
@@ -28,6 +32,33 @@ def lease_body(model: str = "tiny", **over: Any) -> dict[str, Any]:
     }
     body.update(over)
     return body
+
+
+def make_settings(tmp_path: Path, models: list[Path], **over: Any) -> DaemonSettings:
+    """Settings for a CPU daemon serving ``models`` (the first as ``tiny``) from a private
+    shared-memory directory under ``tmp_path``."""
+    from service.settings import DaemonSettings
+
+    shm = tmp_path / "shm"
+    shm.mkdir(exist_ok=True)
+    values: dict[str, Any] = {
+        "models": models,
+        "model_id": "tiny",
+        "device": "cpu",
+        "shm_dir": shm,
+        "cache_dir": tmp_path / "cache",
+        "reaper_interval_s": 0.05,
+    }
+    values.update(over)
+    return DaemonSettings(**values)
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 30.0) -> None:
+    """Poll ``predicate`` until it holds; fail the test if it does not within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
 
 
 def free_port() -> int:

@@ -17,7 +17,7 @@ from service.errors import (
     UnauthorizedError,
     VerificationError,
 )
-from tests.daemon_process import free_port, start_daemon
+from tests.daemon_process import free_port, start_daemon, wait_for
 
 
 class FlakyServer(threading.Thread):
@@ -187,11 +187,21 @@ def test_a_grant_without_the_named_layout_is_refused(daemon_process) -> None:
     assert LAYOUTS.complete(key, slim, grant.full_manifest()).manifest is grant.manifest
 
 
-def test_ready_reports_loading_without_raising(tmp_path: Path, tiny_fp8: Path) -> None:
-    daemon = start_daemon(tmp_path, [tiny_fp8], "--model-id", "tiny")
+def test_ready_reports_a_failed_model_without_raising(tmp_path: Path, tiny_fp8: Path) -> None:
+    """/ready answers 503 while a startup model is loading or failed: that is an answer, not an
+    error, and the client returns it."""
+    missing = tmp_path / "missing"
+    daemon = start_daemon(
+        tmp_path, [tiny_fp8], "--model-id", "tiny", "--model", str(missing), wait_ready=False
+    )
     try:
         with DaemonClient(ClientConfig(url=daemon.url)) as client:
-            assert client.ready().ready is True
+            wait_for(lambda: client.ready().failed)
+            readiness = client.ready()
+            assert readiness.ready is False and list(readiness.failed) == ["missing"]
+            assert "checkpoint_not_found" in readiness.failed["missing"]
+            wait_for(lambda: client.ready().models["tiny"].value == "ready")
+            assert client.ready().ready is False  # one startup model failed: still not ready
     finally:
         daemon.stop()
     with (

@@ -69,28 +69,12 @@ def test_no_fallback_raises(tiny_fp8: Path) -> None:
         )
 
 
-def test_waits_for_a_model_still_loading(
-    tmp_path: Path, tiny_fp8: Path, monkeypatch, caplog
-) -> None:
+def test_waits_for_a_model_still_loading(tmp_path: Path, tiny_fp8: Path, held_load, caplog) -> None:
     """With ``wait_s``, a 503 model_loading answer is retried until the load is done (the load
     is held open until the engine has been told to wait at least once)."""
-    from service.processing import execute_plan as real_execute
-    from service.settings import DaemonSettings
-    from tests.daemon_process import InProcessDaemon
+    from tests.daemon_process import InProcessDaemon, make_settings
 
-    gate = threading.Event()
-
-    def held(*args, **kwargs):
-        gate.wait(30)
-        return real_execute(*args, **kwargs)
-
-    monkeypatch.setattr("service.registry.loader.execute_plan", held)
-    settings = DaemonSettings(
-        device="cpu",
-        shm_dir=tmp_path,
-        cache_dir=tmp_path / "cache",
-        allowed_roots=[tiny_fp8.parent],
-    )
+    settings = make_settings(tmp_path, [], allowed_roots=[tiny_fp8.parent])
     with InProcessDaemon(settings) as served:
         config = ClientConfig(url=served.url)
         httpx.post(f"{served.url}/v1/models", json={"path": str(tiny_fp8), "id": "late"})
@@ -98,7 +82,7 @@ def test_waits_for_a_model_still_loading(
             "late", tiny_fp8, Expectations.for_checkpoint(tiny_fp8, CPU), config=config
         )
         assert without_wait.source == "disk" and without_wait.reason == "model_loading"
-        threading.Timer(1.0, gate.set).start()
+        threading.Timer(1.0, held_load.set).start()
         with caplog.at_level(logging.INFO, logger="engine_client.loading"):
             result = load_weights(
                 "late",

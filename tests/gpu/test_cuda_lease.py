@@ -5,6 +5,7 @@ which proves it maps the daemon's memory rather than a copy."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,10 +14,22 @@ import pytest
 import torch
 
 from service.memory.checksum import storage_checksum
-from service.settings import DaemonSettings
-from tests.daemon_process import InProcessDaemon
+from tests.daemon_process import InProcessDaemon, make_settings
 
 pytestmark = pytest.mark.gpu
+
+
+def spawn_engine(url: str, checkpoint: Path) -> subprocess.Popen[str]:
+    """``cuda_engine_child`` attached to model ``tiny``: it reports its tensors on a line, then
+    on "go" reports the first weight's checksum and exits."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.gpu.cuda_engine_child", url, "tiny", str(checkpoint)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    return child
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "fp8-pc-pt"])
@@ -24,22 +37,10 @@ def test_second_process_maps_the_daemons_cuda_arena(
     tmp_path: Path, tiny_fp8: Path, tiny_pc: Path, scheme: str
 ) -> None:
     ckpt = tiny_fp8 if scheme == "fp8" else tiny_pc
-    settings = DaemonSettings(
-        models=[ckpt],
-        model_id="tiny",
-        device="cuda:0",
-        shm_dir=tmp_path,
-        cache_dir=tmp_path / "cache",
-    )
-    with InProcessDaemon(settings) as served:
+    with InProcessDaemon(make_settings(tmp_path, [ckpt], device="cuda:0")) as served:
         rank = served.daemon.models["tiny"].ranks[0]
         manifest = rank.manifest
-        child = subprocess.Popen(
-            [sys.executable, "-m", "tests.gpu.cuda_engine_child", served.url, "tiny", str(ckpt)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        child = spawn_engine(served.url, ckpt)
         assert child.stdin is not None and child.stdout is not None
         try:
             report = json.loads(child.stdout.readline())
@@ -92,14 +93,7 @@ def test_unloading_frees_the_gpu_memory_engines_let_go(
     """Every export counts one consumer in torch's IPC reference count. An engine that attached
     and exited, or one that refused the lease without opening it, must both hand their count
     back, or the daemon could never free the arena after an unload."""
-    settings = DaemonSettings(
-        models=[tiny_fp8],
-        model_id="tiny",
-        device="cuda:0",
-        shm_dir=tmp_path,
-        cache_dir=tmp_path / "cache",
-    )
-    with InProcessDaemon(settings) as served:
+    with InProcessDaemon(make_settings(tmp_path, [tiny_fp8], device="cuda:0")) as served:
         arena_bytes = served.daemon.models["tiny"].bytes_resident
         loaded = torch.cuda.memory_allocated(0)
         if engine == "refused":
@@ -112,19 +106,7 @@ def test_unloading_frees_the_gpu_memory_engines_let_go(
             )
             assert out.stdout.strip() == "fingerprint_mismatch"
         else:
-            child = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "tests.gpu.cuda_engine_child",
-                    served.url,
-                    "tiny",
-                    str(tiny_fp8),
-                ],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
+            child = spawn_engine(served.url, tiny_fp8)
             assert child.stdin is not None and child.stdout is not None
             assert json.loads(child.stdout.readline())["zero_copy"]
             child.stdin.write("go\n")
@@ -135,3 +117,107 @@ def test_unloading_frees_the_gpu_memory_engines_let_go(
         served.daemon.unload("tiny")
         torch.cuda.ipc_collect()
         assert torch.cuda.memory_allocated(0) <= loaded - arena_bytes
+
+
+def test_verification_names_the_gpu_and_its_capability(tmp_path: Path, tiny_fp8: Path) -> None:
+    """A CUDA lease verifies against this GPU; one naming another GPU, another compute
+    capability, or leased to a CPU engine is refused with that reason."""
+    from engine_client.arenas import release_unopened
+    from engine_client.client import ClientConfig, DaemonClient
+    from engine_client.verify import Expectations, verify_grant
+    from service.errors import VerificationError
+
+    with InProcessDaemon(make_settings(tmp_path, [tiny_fp8], device="cuda:0")) as served:
+        with DaemonClient(ClientConfig(url=served.url)) as client:
+            grant = client.lease("tiny", ttl_s=30)
+            client.release(grant.lease.id)
+        release_unopened(grant.arenas[0].handle)
+    manifest = grant.full_manifest()
+    on_gpu = Expectations.for_checkpoint(tiny_fp8, torch.device("cuda", 0))
+    verify_grant(grant, on_gpu)
+    device = manifest.device
+    cases = {
+        "capability_mismatch": device.model_copy(update={"compute_capability": "8.0"}),
+        "device_mismatch": device.model_copy(update={"uuid": "GPU-00000000-0000"}),
+    }
+    for reason, other in cases.items():
+        moved = grant.model_copy(update={"manifest": manifest.model_copy(update={"device": other})})
+        with pytest.raises(VerificationError) as err:
+            verify_grant(moved, on_gpu)
+        assert err.value.reason == reason
+    with pytest.raises(VerificationError) as err:
+        verify_grant(grant, Expectations.for_checkpoint(tiny_fp8, torch.device("cpu")))
+    assert err.value.reason == "device_mismatch"
+
+
+def test_arenas_are_never_expandable_segments(tmp_path: Path, tiny_fp8: Path) -> None:
+    """Even with expandable segments turned on in the daemon's process, its arenas are plain
+    allocations (opening an expandable segment over IPC costs time in proportion to its size)."""
+    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    configure = set_settings or torch.cuda.memory._set_allocator_settings
+    configure("expandable_segments:True")
+    torch.cuda.empty_cache()  # no cached plain block the arena could reuse
+    try:
+        with InProcessDaemon(make_settings(tmp_path, [tiny_fp8], device="cuda:0")) as served:
+            base = served.daemon.models["tiny"].ranks[0].arena.base.data_ptr()
+            segments = [
+                s
+                for s in torch.cuda.memory._snapshot()["segments"]
+                if s["address"] <= base < s["address"] + s["total_size"]
+            ]
+    finally:
+        configure("expandable_segments:False")
+    assert len(segments) == 1 and segments[0]["is_expandable"] is False
+
+
+TWO_GPU_CHILD = """
+import json, sys
+from pathlib import Path
+import torch
+from engine_client.attach import attach
+from engine_client.client import ClientConfig
+from engine_client.verify import Expectations
+from service.errors import VerificationError
+url, ckpt = sys.argv[1], Path(sys.argv[2])
+out = {"visible": torch.cuda.device_count()}
+for rank in (1, 0):
+    expect = Expectations.for_checkpoint(
+        ckpt, torch.device("cuda", 0), tp_rank=rank, tp_size=2, verify_checksums=True
+    )
+    try:
+        with attach("tiny", expect, config=ClientConfig(url=url), keep_alive=False) as att:
+            out[str(rank)] = {"zero_copy": att.zero_copy(), "tensors": len(att.tensors)}
+    except VerificationError as exc:
+        out[str(rank)] = exc.reason
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tp_ranks_on_their_gpus_found_by_uuid(tmp_path: Path, tiny_fp8: Path) -> None:
+    """``--device cuda`` puts rank r on GPU r. An engine that sees only GPU 1 (as its cuda:0)
+    finds rank 1's arena by UUID and reads it intact, and refuses rank 0, on a GPU it cannot see.
+    The inventory knows free memory for GPUs holding arenas."""
+    from service.memory.devices import cuda_uuid
+
+    settings = make_settings(tmp_path, [tiny_fp8], device="cuda", tp_size=2)
+    with InProcessDaemon(settings) as served:
+        ranks = served.daemon.models["tiny"].ranks
+        assert [r.arena.device.index for r in ranks] == [0, 1]
+        assert [r.arena.device.uuid for r in ranks] == [cuda_uuid(0), cuda_uuid(1)]
+        inventory = served.daemon.inventory()
+        assert all(d.free_memory is not None for d in inventory.devices[:2])
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": cuda_uuid(1)}
+        out = subprocess.run(
+            [sys.executable, "-c", TWO_GPU_CHILD, served.url, str(tiny_fp8)],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=True,
+            env=env,
+        )
+        seen = json.loads(out.stdout.strip().splitlines()[-1])
+        assert seen["visible"] == 1
+        assert seen["1"]["zero_copy"] and seen["1"]["tensors"] == len(ranks[1].manifest.tensors)
+        assert seen["0"] == "device_mismatch"
+        assert served.daemon.leases.count() == 0

@@ -83,15 +83,17 @@ def test_cuda_arena_holds_the_ordinary_load(
         rank.arena.release()
 
 
-@pytest.mark.parametrize("layer", [0, 1, 2, 3])
-def test_scaled_mm_on_gpu_matches_the_emulation(tiny_any: Path, layer: int) -> None:
+def test_scaled_mm_on_gpu_matches_the_emulation(tiny_any: Path) -> None:
+    """Every layer: ``torch._scaled_mm`` on the GPU and the CPU emulation agree to within 1%
+    (relative norm); they differ only in the order of the float32 accumulation."""
     with Checkpoint.open(tiny_any) as ckpt:
         plan = plan_model(ckpt)
         cpu = load_processed(ckpt, plan)
         gpu = load_processed(ckpt, plan, "cuda")
-    layout = plan.layouts[layer]
-    x = (torch.randn(16, layout.input_size) * 0.5).to(torch.bfloat16)
-    y_gpu = fp8_linear(x.cuda(), Fp8LinearWeights.from_tensors(layout, gpu)).float().cpu()
-    y_cpu = fp8_linear(x, Fp8LinearWeights.from_tensors(layout, cpu)).float()
-    assert y_gpu.shape == (16, layout.output_size)
-    assert ((y_gpu - y_cpu).norm() / y_cpu.norm()) < 1e-2
+    assert len(plan.layouts) == 8
+    for layout in plan.layouts:
+        x = (torch.randn(16, layout.input_size) * 0.5).to(torch.bfloat16)
+        y_gpu = fp8_linear(x.cuda(), Fp8LinearWeights.from_tensors(layout, gpu)).float().cpu()
+        y_cpu = fp8_linear(x, Fp8LinearWeights.from_tensors(layout, cpu)).float()
+        assert y_gpu.shape == (16, layout.output_size), layout.name
+        assert ((y_gpu - y_cpu).norm() / y_cpu.norm()) < 1e-2, layout.name

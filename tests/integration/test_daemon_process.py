@@ -7,7 +7,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -15,62 +14,49 @@ import httpx
 from service.checkpoint import Checkpoint
 from service.memory.checksum import storage_checksum
 from service.processing import load_processed, plan_model
-from tests.daemon_process import DaemonProcess, lease_body, start_daemon
+from tests.daemon_process import DaemonProcess, lease_body, start_daemon, wait_for
 
 CHILD = [sys.executable, "-m", "tests.integration.engine_child"]
+
+
+def run_child(mode: str, url: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """``engine_child`` in ``mode`` against model ``tiny`` at ``url``."""
+    return subprocess.run(
+        [*CHILD, mode, url, "tiny"], capture_output=True, text=True, timeout=120, check=check
+    )
+
+
+def ordinary_checksums(checkpoint: Path) -> dict[str, str]:
+    """Every processed tensor's checksum from an ordinary load of ``checkpoint``."""
+    with Checkpoint.open(checkpoint) as ckpt:
+        plan = plan_model(ckpt)
+        loaded = load_processed(ckpt, plan)
+    return {s.name: storage_checksum(s.storage_of(loaded[s.name])) for s in plan.specs}
 
 
 def test_second_process_reads_the_processed_bytes(
     daemon_process: DaemonProcess, tiny_fp8: Path
 ) -> None:
-    out = subprocess.run(
-        [*CHILD, "read", daemon_process.url, "tiny"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    seen = json.loads(out.stdout)["tensors"]
+    seen = json.loads(run_child("read", daemon_process.url).stdout)["tensors"]
     with Checkpoint.open(tiny_fp8) as ckpt:
-        plan = plan_model(ckpt)
-        expected = load_processed(ckpt, plan)
-    specs = {s.name: s for s in plan.specs}
+        expected = load_processed(ckpt, plan_model(ckpt))
+    checksums = ordinary_checksums(tiny_fp8)
     assert set(seen) == set(expected)
     for name, tensor in expected.items():
         got = seen[name]
         assert got["dtype"] == str(tensor.dtype).removeprefix("torch.")
         assert got["shape"] == list(tensor.shape) and got["stride"] == list(tensor.stride())
         assert got["data_ptr_offset"] % 256 == 0
-        assert got["checksum"] == storage_checksum(specs[name].storage_of(tensor)), name
+        assert got["checksum"] == checksums[name], name
 
 
-def test_second_process_cannot_write(daemon_process: DaemonProcess) -> None:
-    before = httpx.get(f"{daemon_process.url}/v1/inventory").json()
-    out = subprocess.run(
-        [*CHILD, "write", daemon_process.url, "tiny"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+def test_second_process_cannot_write(daemon_process: DaemonProcess, tiny_fp8: Path) -> None:
+    out = run_child("write", daemon_process.url, check=False)
     assert out.returncode == -signal.SIGSEGV, out
     assert "writing" in out.stdout and "wrote" not in out.stdout
-    # the daemon's bytes are intact: a fresh reader sees the same checksums as before
-    first = subprocess.run(
-        [*CHILD, "read", daemon_process.url, "tiny"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    name = "model.layers.0.self_attn.qkv_proj.weight"
-    with Checkpoint.open(Path(before["models"][0]["path"])) as ckpt:
-        plan = plan_model(ckpt)
-        w = load_processed(ckpt, plan)[name]
-    spec = next(s for s in plan.specs if s.name == name)
-    assert json.loads(first.stdout)["tensors"][name]["checksum"] == storage_checksum(
-        spec.storage_of(w)
-    )
+    # the daemon's bytes are intact: a fresh reader sees every tensor as an ordinary load has it
+    seen = json.loads(run_child("read", daemon_process.url).stdout)["tensors"]
+    assert {name: t["checksum"] for name, t in seen.items()} == ordinary_checksums(tiny_fp8)
 
 
 def test_sigkilled_engine_is_reaped_and_model_stays(daemon_process: DaemonProcess) -> None:
@@ -84,26 +70,19 @@ def test_sigkilled_engine_is_reaped_and_model_stays(daemon_process: DaemonProces
     files = sorted(daemon_process.shm_dir.iterdir())
     child.send_signal(signal.SIGKILL)
     child.wait()
-    deadline = time.monotonic() + 10
-    while httpx.get(f"{url}/v1/leases").json() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert httpx.get(f"{url}/v1/leases").json() == []
+    wait_for(lambda: httpx.get(f"{url}/v1/leases").json() == [], timeout=10)
     assert httpx.get(f"{url}/v1/leases/{lease_id}").json()["reason"] == "reaped"
     assert httpx.get(f"{url}/v1/models/tiny").json()["state"] == "ready"
     assert sorted(daemon_process.shm_dir.iterdir()) == files  # nothing leaked, nothing lost
-    assert (
-        httpx.post(
-            f"{url}/v1/leases",
-            json=lease_body(client_pid=1),
-        ).status_code
-        == 201
-    )
+    assert httpx.post(f"{url}/v1/leases", json=lease_body(client_pid=1)).status_code == 201
 
 
 def test_shutdown_removes_arenas(tmp_path: Path, tiny_fp8: Path) -> None:
     daemon = start_daemon(tmp_path, [tiny_fp8])
-    assert len(list(daemon.shm_dir.iterdir())) == 1
-    daemon.stop(signal.SIGTERM)
+    try:
+        assert len(list(daemon.shm_dir.iterdir())) == 1
+    finally:
+        daemon.stop(signal.SIGTERM)
     # uvicorn shuts down cleanly, then re-raises the signal it caught
     assert daemon.process.returncode in (0, -signal.SIGTERM)
     assert "Application shutdown complete" in daemon.log.read_text()

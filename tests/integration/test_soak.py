@@ -58,8 +58,9 @@ def test_soak_leaves_no_trace(tmp_path: Path, tiny_fp8: Path, capsys) -> None:
         errors = ctx.Queue()
         warm = ctx.Process(target=_cycles, args=(daemon.url, 300, errors))
         warm.start()
-        warm.join()
-        assert errors.get() == 0
+        assert errors.get(timeout=120) == 0
+        warm.join(30)
+        assert warm.exitcode == 0
         before = settle(daemon)
         start = time.perf_counter()
         procs = [
@@ -68,10 +69,11 @@ def test_soak_leaves_no_trace(tmp_path: Path, tiny_fp8: Path, capsys) -> None:
         ]
         for p in procs:
             p.start()
+        failures = sum(errors.get(timeout=600) for _ in procs)
         for p in procs:
-            p.join()
+            p.join(30)
+        assert [p.exitcode for p in procs] == [0] * PROCESSES
         elapsed = time.perf_counter() - start
-        failures = sum(errors.get() for _ in procs)
         after = settle(daemon)
         metrics = httpx.get(f"{daemon.url}/metrics").text
     finally:

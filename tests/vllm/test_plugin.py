@@ -162,6 +162,7 @@ def test_a_kernel_other_than_cutlass_is_refused_then_falls_back(
     # the meta build was undone: vLLM's rotary cache holds no meta tensors for the fallback
     from vllm.model_executor.layers import rotary_embedding
 
+    assert rotary_embedding._ROPE_DICT  # the fallback built its own rotary embeddings
     assert all(r.cos_sin_cache.device.type != "meta" for r in rotary_embedding._ROPE_DICT.values())
     import httpx
 

@@ -14,8 +14,7 @@ from fastapi.testclient import TestClient
 
 from service.api.app import create_app
 from service.daemon import Daemon
-from service.settings import DaemonSettings
-from tests.daemon_process import lease_body
+from tests.daemon_process import lease_body, make_settings
 
 
 @dataclass
@@ -49,21 +48,6 @@ class Served:
             "cache_bytes": inv["cache_bytes"],
             "shm_files": sorted(p.name for p in self.shm_dir.iterdir()),
         }
-
-
-def make_settings(tmp_path: Path, models: list[Path], **over: Any) -> DaemonSettings:
-    shm = tmp_path / "shm"
-    shm.mkdir(exist_ok=True)
-    values: dict[str, Any] = {
-        "models": models,
-        "model_id": "tiny",
-        "device": "cpu",
-        "shm_dir": shm,
-        "cache_dir": tmp_path / "cache",
-        "reaper_interval_s": 0.05,
-    }
-    values.update(over)
-    return DaemonSettings(**values)
 
 
 @pytest.fixture

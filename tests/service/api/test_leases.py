@@ -6,7 +6,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from service.memory.shm import map_read_only
 from service.processing import load_processed, plan_model
 from service.schemas.leases import LeaseGrant
 from service.schemas.manifest import ShmHandle
+from tests.daemon_process import wait_for
 from tests.service.api.conftest import Served
 
 
@@ -89,10 +89,7 @@ def test_renew_and_release(served: Served) -> None:
 
 def test_leases_expire(served: Served) -> None:
     lease = served.client.post("/v1/leases", json=served.lease_body(ttl_s=0.2)).json()["lease"]
-    deadline = time.monotonic() + 5
-    while served.client.get("/v1/leases").json() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert served.client.get("/v1/leases").json() == []
+    wait_for(lambda: served.client.get("/v1/leases").json() == [], timeout=5)
     r = served.client.post(f"/v1/leases/{lease['id']}/renew")
     assert r.status_code == 410 and r.json()["code"] == "lease_expired"
     assert r.json()["reason"] == "expired"
@@ -110,10 +107,7 @@ def test_dead_client_is_reaped(served: Served) -> None:
         assert len(served.client.get("/v1/leases").json()) == 1  # alive: kept
         child.send_signal(signal.SIGKILL)
         child.wait()
-        deadline = time.monotonic() + 5
-        while served.client.get("/v1/leases").json() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert served.client.get("/v1/leases").json() == []
+        wait_for(lambda: served.client.get("/v1/leases").json() == [], timeout=5)
         r = served.client.get(f"/v1/leases/{lease['id']}")
         assert r.status_code == 410 and r.json()["reason"] == "reaped"
         assert "weight_cache_leases_reaped_total 1.0" in served.client.get("/metrics").text
@@ -173,25 +167,15 @@ def test_malformed_bodies(served: Served) -> None:
     assert served.snapshot() == before
 
 
-def test_lease_while_loading_says_retry_later(serve, tiny_fp8: Path, monkeypatch) -> None:
-    gate = threading.Event()
-    from service.processing import execute_plan as real
-
-    def slow(*args, **kwargs):  # hold the load open until the test has asked
-        gate.wait(10)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr("service.registry.loader.execute_plan", slow)
-    served = serve(wait=False)
-    try:
-        r = served.client.post("/v1/leases", json=served.lease_body())
-        assert r.status_code == 503 and r.json()["code"] == "model_loading"
-        assert int(r.headers["retry-after"]) >= 1
-        assert served.client.get("/v1/leases").json() == []
-        ready = served.client.get("/ready")
-        assert ready.status_code == 503 and ready.json()["waiting"] == ["tiny"]
-    finally:
-        gate.set()
+def test_lease_while_loading_says_retry_later(serve, tiny_fp8: Path, held_load) -> None:
+    served = serve(wait=False)  # the load is held open until the test has asked
+    r = served.client.post("/v1/leases", json=served.lease_body())
+    assert r.status_code == 503 and r.json()["code"] == "model_loading"
+    assert int(r.headers["retry-after"]) >= 1
+    assert served.client.get("/v1/leases").json() == []
+    ready = served.client.get("/ready")
+    assert ready.status_code == 503 and ready.json()["waiting"] == ["tiny"]
+    held_load.set()
     assert served.wait_ready("tiny")["state"] == "ready"
     assert served.client.post("/v1/leases", json=served.lease_body()).status_code == 201
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -141,18 +140,10 @@ def test_unload_unknown(served: Served) -> None:
     assert r.status_code == 404 and r.json()["code"] == "model_not_found"
 
 
-def test_unload_while_loading_cancels(serve, tiny_fp8: Path, monkeypatch) -> None:
-    gate = threading.Event()
-    from service.processing import execute_plan as real
-
-    def slow(*args, **kwargs):
-        gate.wait(10)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr("service.registry.loader.execute_plan", slow)
+def test_unload_while_loading_cancels(serve, tiny_fp8: Path, held_load) -> None:
     served = serve(wait=False)
     assert served.client.delete("/v1/models/tiny").status_code == 204
-    gate.set()
+    held_load.set()
     for thread in served.daemon._threads:
         thread.join(10)
     assert served.client.get("/v1/models").json() == []
