@@ -37,6 +37,12 @@ class Reason(str, enum.Enum):
     tp_mismatch = "tp_mismatch"
     manifest_invalid = "manifest_invalid"
     checksum_mismatch = "checksum_mismatch"
+    pipeline_parallel = "pipeline_parallel"  # vLLM engines with PP > 1 are not served
+    not_local_checkpoint = "not_local_checkpoint"  # the engine's model is no local directory
+    layout_mismatch = "layout_mismatch"  # vLLM built a parameter the lease does not match
+    unsupported_module = "unsupported_module"  # vLLM built a tensor neither side provides
+    bind_failed = "bind_failed"  # vLLM refused the bound model (an unexpected error)
+    leased_read_only = "leased_read_only"  # an in-place reload of shared, leased weights
 
 
 @dataclass(frozen=True)

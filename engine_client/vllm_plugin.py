@@ -14,8 +14,6 @@ log = logging.getLogger(__name__)
 
 def register() -> None:
     try:
-        from engine_client.vllm_loader import _register
-
-        _register()
+        import engine_client.vllm_loader  # noqa: F401  (registers the load format on import)
     except ImportError as exc:
         log.warning("weight-cache: vLLM loader not registered: %s", exc)

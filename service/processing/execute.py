@@ -145,7 +145,17 @@ def fill_linear(
 
 
 def fill_carried(ckpt: Checkpoint, plan: CarriedPlan, storage_for: StorageFor) -> None:
-    storage_for(plan.spec).copy_(_read_clean(ckpt, plan.source))
+    """Write one carried tensor as vLLM holds it: as stored, or (embeddings, LM head) this
+    rank's vocabulary rows followed by zero rows up to the padded size."""
+    storage = storage_for(plan.spec)
+    rows = plan.rows
+    if rows is None:
+        storage.copy_(_read_clean(ckpt, plan.source))
+        return
+    count = rows[1] - rows[0]
+    if count:
+        storage[:count].copy_(_read_clean(ckpt, plan.source, rows=rows))
+    storage[count:].zero_()
 
 
 def execute_plan(

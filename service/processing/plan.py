@@ -27,6 +27,8 @@ from service.processing.fp8 import FP8_DTYPE
 from service.processing.tensor_parallel import ShardSlice, check_tp_size, shard_slice
 from service.schemas.layout import (
     ActivationQuant,
+    CarriedKind,
+    CarriedLayout,
     Kernel,
     LayerLayout,
     Scheme,
@@ -35,6 +37,10 @@ from service.schemas.layout import (
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # vLLM never loads these
+# vLLM pads the vocabulary of embeddings and LM heads to this multiple before splitting it over
+# the TP ranks (``vocab_parallel_embedding.py:36, 95-97``; no LoRA, so no added vocabulary).
+VOCAB_PADDING_SIZE = 64
+VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -102,10 +108,34 @@ class LinearPlan:
 
 @dataclass(frozen=True)
 class CarriedPlan:
-    """A tensor kept exactly as stored (embeddings, norms, excluded lm_head, KV scales)."""
+    """A tensor outside the linear layers, held as vLLM holds it after loading: norms and KV
+    scales as stored, embeddings and the LM head as this rank's padded vocabulary rows."""
 
     spec: TensorSpec
-    source: str
+    layout: CarriedLayout
+
+    @property
+    def source(self) -> str:
+        return self.layout.source
+
+    @property
+    def rows(self) -> tuple[int, int] | None:
+        """The checkpoint rows this rank holds (vocabulary-parallel tensors only); the storage
+        rows after them are zero padding."""
+        if self.layout.kind is not CarriedKind.vocab_parallel:
+            return None
+        assert self.layout.vocab_start is not None and self.layout.vocab_end is not None
+        return self.layout.vocab_start, self.layout.vocab_end
+
+
+def vocab_shard(vocab_size: int, tp_size: int, tp_rank: int) -> tuple[int, int, int]:
+    """(rows per rank, first row, one past the last real row) of ``VocabParallelEmbedding``'s
+    shard for this rank: the padded vocabulary split evenly, padding rows past ``vocab_size``
+    (``vocab_parallel_embedding.py:379-414``)."""
+    padded = -(-vocab_size // VOCAB_PADDING_SIZE) * VOCAB_PADDING_SIZE
+    per_rank = padded // tp_size
+    start = min(tp_rank * per_rank, vocab_size)
+    return per_rank, start, min(tp_rank * per_rank + per_rank, vocab_size)
 
 
 @dataclass
@@ -127,6 +157,10 @@ class ModelPlan:
     @property
     def layouts(self) -> list[LayerLayout]:
         return [lp.layout for lp in self.linears]
+
+    @property
+    def carried_layouts(self) -> list[CarriedLayout]:
+        return [c.layout for c in self.carried]
 
     @property
     def total_bytes(self) -> int:
@@ -303,7 +337,8 @@ class _Planner:
                 continue
             self._scale(source, (), (1,))
             spec = TensorSpec.contiguous(vllm_name, torch.float32, self.ckpt.tensors[source].shape)
-            carried.append(CarriedPlan(spec, source))
+            layout = CarriedLayout(name=vllm_name, kind=CarriedKind.checkpoint, source=source)
+            carried.append(CarriedPlan(spec, layout))
         return carried
 
     def carried(self) -> list[CarriedPlan]:
@@ -334,8 +369,28 @@ class _Planner:
                     file=str(info.file),
                     tensor=name,
                 )
-            out.append(CarriedPlan(TensorSpec.contiguous(name, info.dtype, info.shape), name))
+            out.append(self._carried_one(name, info))
         return out
+
+    def _carried_one(self, name: str, info: TensorInfo) -> CarriedPlan:
+        if name not in VOCAB_PARALLEL:
+            spec = TensorSpec.contiguous(name, info.dtype, info.shape)
+            return CarriedPlan(
+                spec, CarriedLayout(name=name, kind=CarriedKind.replicated, source=name)
+            )
+        vocab = self.ckpt.dims.vocab_size
+        per_rank, start, end = vocab_shard(vocab, self.tp_size, self.tp_rank)
+        spec = TensorSpec.contiguous(name, info.dtype, (per_rank, info.shape[1]))
+        layout = CarriedLayout(
+            name=name,
+            kind=CarriedKind.vocab_parallel,
+            source=name,
+            vocab_size=vocab,
+            padding_size=VOCAB_PADDING_SIZE,
+            vocab_start=start,
+            vocab_end=end,
+        )
+        return CarriedPlan(spec, layout)
 
 
 def plan_model(ckpt: Checkpoint, tp_size: int = 1, tp_rank: int = 0) -> ModelPlan:

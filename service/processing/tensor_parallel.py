@@ -49,6 +49,9 @@ def check_tp_size(dims: ModelDims, tp_size: int) -> None:
         problems.append(f"{dims.num_key_value_heads} kv heads")
     if tp_size >= 1 and dims.intermediate_size % tp_size:
         problems.append(f"intermediate_size {dims.intermediate_size}")
+    padded_vocab = -(-dims.vocab_size // 64) * 64  # vLLM's vocabulary padding
+    if tp_size >= 1 and padded_vocab % tp_size:
+        problems.append(f"padded vocabulary {padded_vocab}")
     if problems:
         raise TensorParallelError(
             f"tp_size {tp_size} does not divide: {', '.join(problems)}", tp_size=tp_size

@@ -159,6 +159,7 @@ def _manifest(
             for s in plan.specs
         ],
         layers=plan.layouts,
+        carried=plan.carried_layouts,
         layout_digest="",
     )
     layout = manifest.model_dump_json(exclude={"layout_digest"}).encode()

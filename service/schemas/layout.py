@@ -38,6 +38,37 @@ class ActivationQuant(str, enum.Enum):
     none = "none"
 
 
+class CarriedKind(str, enum.Enum):
+    """How a tensor outside the linear layers is held, and so how an engine takes it."""
+
+    vocab_parallel = "vocab_parallel"  # embed_tokens / lm_head: this rank's rows, padded as vLLM
+    replicated = "replicated"  # norms: every rank holds the whole tensor as stored
+    checkpoint = "checkpoint"  # KV-cache scales: as stored; the engine's own loaders consume them
+
+
+class CarriedLayout(BaseModel):
+    """One tensor that is not part of a linear layer, as vLLM 0.33 holds it after loading.
+
+    ``vocab_parallel`` tensors follow ``VocabParallelEmbedding``: the vocabulary padded to a
+    multiple of ``padding_size``, split evenly over the TP ranks, rows past the real vocabulary
+    zero (``vocab_parallel_embedding.py:481-520``). An engine binds ``vocab_parallel`` and
+    ``replicated`` tensors as its parameters, zero-copy; ``checkpoint`` ones go through its
+    weight loaders (a few scalars).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(description="vLLM parameter name")
+    kind: CarriedKind
+    source: str = Field(description="checkpoint tensor it comes from")
+    vocab_size: int | None = Field(default=None, description="the real vocabulary (org_vocab_size)")
+    padding_size: int | None = Field(default=None, description="vocabulary padding multiple")
+    vocab_start: int | None = Field(default=None, description="first vocabulary row of this rank")
+    vocab_end: int | None = Field(
+        default=None, description="one past the last real vocabulary row of this rank"
+    )
+
+
 class LayerLayout(BaseModel):
     """One linear layer as vLLM 0.33 leaves it after processing for its kernel."""
 

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.schemas.layout import LayerLayout, WireDType
+from service.schemas.layout import CarriedLayout, LayerLayout, WireDType
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -116,6 +116,10 @@ class Manifest(BaseModel):
     checkpoint: CheckpointIdentity
     tensors: list[TensorEntry]
     layers: list[LayerLayout]
+    carried: list[CarriedLayout] = Field(
+        default_factory=list,
+        description="every tensor outside the linear layers: embeddings, lm_head, norms, KV scales",
+    )
     layout_digest: str = Field(
         description="xxh3-128 of all of the above; a client holding this layout sends it back "
         "as known_layout and gets only the lease and fresh handles"

@@ -89,7 +89,7 @@ def test_engine_service(compose: dict[str, Any]) -> None:
         "fallback": True,
         "wait": 600,
     }
-    from engine_client.vllm_loader import LoaderOptions
+    from engine_client.loader_options import LoaderOptions
 
     LoaderOptions.model_validate(extra)  # the loader accepts exactly these options
 

@@ -67,9 +67,9 @@ def test_unknown_options_are_refused() -> None:
     from vllm.config import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
 
-    from engine_client.vllm_loader import _register
+    from engine_client.vllm_plugin import register
 
-    _register()
+    register()
     with pytest.raises(ValueError, match="cache_dir"):
         get_model_loader(
             LoadConfig(load_format="weight_cache", model_loader_extra_config={"cache_dir": "/x"})
@@ -106,9 +106,9 @@ def test_without_the_daemon_it_delegates_to_vllms_default_loader(
     from vllm.model_executor.model_loader import get_model_loader
 
     from engine_client.loading import FALLBACKS
-    from engine_client.vllm_loader import _register
+    from engine_client.vllm_plugin import register
 
-    _register()
+    register()
     delegated = observe_default_loader(monkeypatch)
     url = f"http://127.0.0.1:{free_port()}"
     vllm_config, model_config = configs(tiny_fp8, "weight_cache", {"url": url})
@@ -126,10 +126,10 @@ def test_fallback_false_raises(tiny_fp8: Path) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
 
-    from engine_client.vllm_loader import _register
+    from engine_client.vllm_plugin import register
     from service.errors import DaemonUnavailableError
 
-    _register()
+    register()
     url = f"http://127.0.0.1:{free_port()}"
     vllm_config, model_config = configs(tiny_fp8, "weight_cache", {"url": url, "fallback": False})
     loader = get_model_loader(vllm_config.load_config)
@@ -149,9 +149,9 @@ def test_a_kernel_other_than_cutlass_is_refused_then_falls_back(
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
 
-    from engine_client.vllm_loader import _register
+    from engine_client.vllm_plugin import register
 
-    _register()
+    register()
     delegated = observe_default_loader(monkeypatch)
     vllm_config, model_config = configs(tiny_fp8, "weight_cache", {"url": daemon_process.url})
     loader = get_model_loader(vllm_config.load_config)

@@ -35,9 +35,14 @@ def vllm_world(tp_size: int = 1, rank: int = 0, port: int = 29600) -> Iterator[N
 
 
 def configs(
-    path: Path, load_format: str = "auto", extra: dict[str, Any] | None = None, tp_size: int = 1
+    path: Path,
+    load_format: str = "auto",
+    extra: dict[str, Any] | None = None,
+    tp_size: int = 1,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[Any, Any]:
     from vllm.config import (
+        CacheConfig,
         DeviceConfig,
         LoadConfig,
         ModelConfig,
@@ -57,6 +62,7 @@ def configs(
         load_config=LoadConfig(load_format=load_format, model_loader_extra_config=extra or {}),
         device_config=DeviceConfig(device="cpu"),
         parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+        cache_config=CacheConfig(cache_dtype=kv_cache_dtype),
     )
     return vllm_config, model_config
 
@@ -75,3 +81,28 @@ def build(vllm_config: Any, model_config: Any, device: str = "cpu") -> torch.nn.
             vllm_config=vllm_config, model_config=model_config
         )
     return model
+
+
+@contextlib.contextmanager
+def cutlass_kernel_on_cpu() -> Iterator[None]:
+    """Make vLLM's CPU platform pick the CUTLASS FP8 kernel, as it does on Hopper.
+
+    Which FP8 kernel vLLM's CPU platform selects depends on the host CPU; pinning the one the
+    daemon processes for makes the comparison the same on every machine. Its post-load
+    processing (transpose, pad, logical width) is plain torch, so it runs here; its GEMM is
+    never called.
+    """
+    from vllm.model_executor.kernels import linear
+    from vllm.model_executor.kernels.linear.scaled_mm import cutlass
+    from vllm.platforms import PlatformEnum
+
+    saved_kernels = linear._POSSIBLE_FP8_KERNELS.get(PlatformEnum.CPU)
+    saved_supported = cutlass.cutlass_fp8_supported
+    linear._POSSIBLE_FP8_KERNELS[PlatformEnum.CPU] = [cutlass.CutlassFP8ScaledMMLinearKernel]
+    cutlass.cutlass_fp8_supported = lambda: True
+    try:
+        yield
+    finally:
+        cutlass.cutlass_fp8_supported = saved_supported
+        if saved_kernels is not None:
+            linear._POSSIBLE_FP8_KERNELS[PlatformEnum.CPU] = saved_kernels

@@ -1,0 +1,29 @@
+"""The options of vLLM's ``weight_cache`` load format (``--model-loader-extra-config``), kept
+apart from the loader so they can be checked without vLLM installed."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine_client.client import ClientConfig
+
+
+class LoaderOptions(BaseModel):
+    """``--model-loader-extra-config`` keys; anything else is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str | None = None
+    uds: str | None = None
+    token: str | None = None
+    token_file: str | None = None
+    model: str | None = None
+    fallback: bool = True
+    timeout: float = Field(default=10.0, gt=0)
+    wait: float = Field(default=0.0, ge=0)
+    verify_checksums: bool = False
+
+    def client_config(self) -> ClientConfig:
+        return ClientConfig.from_env(
+            self.token_file, url=self.url, uds=self.uds, token=self.token, timeout_s=self.timeout
+        )
