@@ -481,30 +481,48 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
         )
 
     def _attach_model(self, vllm_config: Any, model_config: Any, prefix: str) -> nn.Module:
+        steps = _Steps()
         device = _target_device(vllm_config)
         expect = self._expectations(model_config, device)
         config = self.options.client_config()
         model_id, _ = self._daemon_model(model_config, config, expect.fingerprint)
+        steps.done("find model")
         with set_default_torch_dtype(model_config.dtype):
-            built = time.perf_counter()
             with torch.device("meta"):
                 model = self.create_model(vllm_config, model_config, prefix)
-            log.info("weight-cache: built the model on meta in %.1f ms", _ms_since(built))
             require_cutlass(model)
+            steps.done("build on meta")
             attachment = attach_waiting(model_id, expect, config, self.options.wait)
+            steps.done("attach")
             try:
                 to_load = bind_attachment(model, attachment)
+                steps.done("bind")
                 build_runtime_state(model, device)
                 model.load_weights((name, attachment.tensors[name]) for name in to_load)
+                steps.done("runtime state")
                 post_process(model, model_config, device)
                 require_materialized(model)
+                steps.done("post-process")
             except BaseException:
                 attachment.close()
                 raise
+        log.info("weight-cache: steps inside vLLM: %s", steps)
         self.attachment = attachment
         evaluated: nn.Module = model.eval()
         return evaluated
 
 
-def _ms_since(start: float) -> float:
-    return (time.perf_counter() - start) * 1e3
+class _Steps:
+    """Milliseconds per step of an attach, for the log line that says where the time went."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+        self.times: list[tuple[str, float]] = []
+
+    def done(self, step: str) -> None:
+        now = time.perf_counter()
+        self.times.append((step, (now - self.last) * 1e3))
+        self.last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{step} {ms:.1f} ms" for step, ms in self.times)

@@ -112,22 +112,23 @@ class _Generator:
 
     CHUNK_ROWS = 4096
 
-    def __init__(self, seed: int) -> None:
-        self.gen = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int, device: str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.gen = torch.Generator(self.device).manual_seed(seed)
 
     def normal(self, rows: int, cols: int, std: float) -> torch.Tensor:
-        return torch.randn(rows, cols, generator=self.gen) * std
+        return torch.randn(rows, cols, generator=self.gen, device=self.device) * std
 
     def bf16(self, shape: tuple[int, ...], std: float) -> torch.Tensor:
         out = torch.empty(shape, dtype=torch.bfloat16)
         flat = out.view(shape[0], -1) if len(shape) > 1 else out.view(1, -1)
         for start in range(0, flat.shape[0], self.CHUNK_ROWS):
             block = flat[start : start + self.CHUNK_ROWS]
-            block.copy_(self.normal(block.shape[0], block.shape[1], std))
+            block.copy_(self.normal(block.shape[0], block.shape[1], std).cpu())
         return out
 
     def uniform(self, low: float, high: float) -> float:
-        return low + (high - low) * float(torch.rand((), generator=self.gen))
+        return low + (high - low) * float(torch.rand((), generator=self.gen, device=self.device))
 
     def quantized(
         self, rows: int, cols: int, per_channel: bool
@@ -140,7 +141,7 @@ class _Generator:
         else:
             scale = (w.abs().amax() / FP8_MAX).clamp(min=1e-12)
             q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        return q, scale.to(torch.float32)
+        return q.cpu(), scale.to(torch.float32).cpu()
 
 
 def _linear_tensors(
@@ -201,6 +202,7 @@ def write_demo_checkpoint(
     seed: int = 0,
     shard_bytes: int = 4 << 30,
     progress: Callable[[int], None] | None = None,
+    device: str = "cpu",
 ) -> Path:
     """Write the checkpoint into ``out`` (created) and return it.
 
@@ -213,7 +215,7 @@ def write_demo_checkpoint(
         raise ValueError(f"shape must be one of {sorted(SHAPES)}")
     algo, demo = SCHEMES[scheme], SHAPES[shape]
     out.mkdir(parents=True, exist_ok=True)
-    gen = _Generator(seed)
+    gen = _Generator(seed, device)
     current: dict[str, torch.Tensor] = {}
     files: list[list[str]] = []
     size = total_size = 0

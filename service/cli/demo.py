@@ -22,7 +22,15 @@ from service.demo import SCHEMES, SHAPES, expected_bytes, write_demo_checkpoint
     show_default=True,
     help="Split safetensors files above this size, with an index.",
 )
-def demo_checkpoint(out: Path, scheme: str, shape: str, seed: int, shard_size_mb: int) -> None:
+@click.option(
+    "--device",
+    default="cpu",
+    show_default=True,
+    help="Draw the random weights here (cuda writes an 8B shape in seconds; other values).",
+)
+def demo_checkpoint(
+    out: Path, scheme: str, shape: str, seed: int, shard_size_mb: int, device: str
+) -> None:
     """Write a demo checkpoint in ModelOpt's FP8 export format to OUT (no network)."""
     total = expected_bytes(SHAPES[shape])
     columns = (
@@ -39,6 +47,7 @@ def demo_checkpoint(out: Path, scheme: str, shape: str, seed: int, shard_size_mb
             shape,
             seed,
             shard_bytes=shard_size_mb << 20,
+            device=device,
             progress=lambda n: progress.advance(task, n),
         )
     click.echo(str(out))
