@@ -53,6 +53,7 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
+from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from engine_client.attach import Attachment
@@ -400,7 +401,15 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
         self._default().load_weights(model, model_config)
 
     def get_external_weight_memory(self, vllm_config: Any) -> int:
-        """Weight bytes held by the daemon for this rank (not in the engine's allocator)."""
+        """Weight bytes held by the daemon for this rank (not in the engine's allocator).
+
+        vLLM asks this in the worker just before it loads the model, inside a window that runs
+        three full garbage collections over the startup heap (``DeviceMemoryProfiler``: about
+        0.4 s each on an 8B engine, more than the attach itself). The startup heap is frozen
+        here, as vLLM's engine core freezes it once initialised (``freeze_gc_heap``,
+        ``v1/engine/core.py:243``), so those collections skip it.
+        """
+        freeze_gc_heap()
         try:
             config = self.options.client_config()
             _, rank_bytes = self._daemon_model(vllm_config.model_config, config)
