@@ -196,9 +196,10 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
     if not unknown:
         return
     parts = []
+    suffixes = [k.removeprefix(ENV_PREFIX) for k in known]  # the shared prefix matches anything
     for name in unknown:
-        close = difflib.get_close_matches(name.upper(), known, n=1, cutoff=0.6)
-        parts.append(f"{name} (did you mean {close[0]}?)" if close else name)
+        close = difflib.get_close_matches(name.upper().removeprefix(ENV_PREFIX), suffixes, n=1)
+        parts.append(f"{name} (did you mean {ENV_PREFIX}{close[0]}?)" if close else name)
     raise ValueError(
         f"unknown environment variable{'s' if len(parts) > 1 else ''} {', '.join(parts)}; "
         "`weight-cache serve --help` lists every WEIGHT_CACHE_* variable"
