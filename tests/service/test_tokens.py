@@ -64,6 +64,6 @@ def test_daemon_and_client_pick_the_same_token(
     if env_file:
         monkeypatch.setenv("WEIGHT_CACHE_TOKEN_FILE", str(tmp_path / "env"))
     flag = tmp_path / "flag" if flag_file else None
-    daemon = DaemonSettings(**({"token_file": flag} if flag else {})).token
+    daemon = DaemonSettings(token_file=flag).token
     client = ClientConfig.from_env(str(flag) if flag else None).token
     assert (daemon.get_secret_value() if daemon else None) == client
