@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import SecretStr, ValidationError
@@ -64,6 +65,7 @@ def test_daemon_and_client_pick_the_same_token(
     if env_file:
         monkeypatch.setenv("WEIGHT_CACHE_TOKEN_FILE", str(tmp_path / "env"))
     flag = tmp_path / "flag" if flag_file else None
-    daemon = DaemonSettings(token_file=flag).token
+    given: dict[str, Any] = {"token_file": flag} if flag else {}  # as `serve` passes flags
+    daemon = DaemonSettings(**given).token
     client = ClientConfig.from_env(str(flag) if flag else None).token
     assert (daemon.get_secret_value() if daemon else None) == client
