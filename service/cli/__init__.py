@@ -13,6 +13,7 @@ from service.cli.demo import demo_checkpoint
 from service.cli.openapi import openapi
 from service.cli.serve import SettingsError, serve
 from service.cli.status import status
+from service.env import check_environment
 from service.logs import FORMATS, LEVELS, configure_logging
 from service.version import __version__
 
@@ -53,8 +54,6 @@ def cli(log_level: str, log_format: str) -> None:
     Settings (`serve --help` lists every WEIGHT_CACHE_* variable), error codes, metrics and
     deployment: README.md.
     """
-    from service.settings import check_environment
-
     configure_logging(log_level, log_format.lower())
     try:
         check_environment()

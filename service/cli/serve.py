@@ -17,12 +17,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
-from pydantic import ValidationError
 
-from service.settings import DEFAULT_PORT, DaemonSettings, env_names
+from service.env import env_names
+from service.version import DEFAULT_PORT
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # imported when the command runs: `--help` needs no pydantic
+    from pydantic import ValidationError
+
     from service.daemon import Daemon
+    from service.settings import DaemonSettings
 
 log = logging.getLogger(__name__)
 DEMO_MODEL_ID = "demo"
@@ -83,6 +86,8 @@ def _flag_of(field: str) -> str:
 
 def describe(exc: ValidationError) -> str:
     """A settings error as one line naming the flag and variable to fix."""
+    from service.settings import DaemonSettings
+
     by_env = {n: f for f in DaemonSettings.model_fields for n in env_names(f)}
     parts = []
     for error in exc.errors():
@@ -100,8 +105,11 @@ def describe(exc: ValidationError) -> str:
 def build_settings(**flags: Any) -> DaemonSettings:
     """Environment first, flags given on the command line over it; checkpoints located (a repo
     id through the local Hugging Face cache) and made absolute. Raises :class:`SettingsError`."""
+    from pydantic import ValidationError
+
     from service.checkpoint.locate import locate_checkpoint
     from service.errors import WeightCacheError
+    from service.settings import DaemonSettings
 
     given = {k: v for k, v in flags.items() if v not in (None, ())}
     try:

@@ -150,3 +150,19 @@ def test_paths_are_made_absolute(monkeypatch, tmp_path: Path, tiny_fp8: Path) ->
     assert settings.models == [tiny_fp8.resolve()]
     with pytest.raises(SettingsError, match=r"^--model: checkpoint directory /.*/nope does not"):
         build_settings(models=("./nope",))
+
+
+def test_the_help_names_the_variables_pydantic_reads() -> None:
+    """``--help`` takes names from service.env without pydantic; the settings read the same."""
+    from pydantic import AliasChoices
+
+    from service.env import ALIASES
+
+    for field, info in DaemonSettings.model_fields.items():
+        if isinstance(info.validation_alias, AliasChoices):
+            assert list(info.validation_alias.choices) == env_names(field)
+        else:
+            assert field not in ALIASES and env_names(field) == [f"WEIGHT_CACHE_{field.upper()}"]
+    from service.env import SETTINGS_FIELDS
+
+    assert tuple(DaemonSettings.model_fields) == SETTINGS_FIELDS
