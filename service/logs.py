@@ -59,7 +59,7 @@ class JsonFormatter(logging.Formatter):
         }
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, ensure_ascii=False, default=str)
+        return json.dumps(entry, default=str)  # ASCII: C1 controls escaped too
 
 
 def configure_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | None = None) -> None:
