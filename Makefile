@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+# `make run` installs what serving needs (the daemon extra); `make test` adds the test extras.
+DAEMON_STAMP := $(VENV)/.installed-daemon
 STAMP := $(VENV)/.installed
 # vLLM 0.33 (about 10 GB) lives outside the clone and is reused across runs and clones.
 VLLM_VENV ?= $(HOME)/.cache/weight-cache/vllm-0.33.0
@@ -12,7 +14,7 @@ VLLM_VENV ?= $(HOME)/.cache/weight-cache/vllm-0.33.0
 .PHONY: help run test test-vllm lint format openapi bench clean deploy-tools
 
 help:
-	@echo "make run     create .venv, install, start the daemon on the built-in demo model"
+	@echo "make run     create .venv, install the daemon, start it on the built-in demo model"
 	@echo "make test    create .venv, install test extras, run ruff, mypy and the whole suite"
 	@echo "             (vLLM tests run in $(VLLM_VENV), created on first use)"
 	@echo "make lint    ruff and mypy only"
@@ -27,12 +29,16 @@ $(PY):
 		$(PYTHON) -m venv $(VENV); \
 	fi
 
-$(STAMP): $(PY) pyproject.toml constraints.txt
+$(DAEMON_STAMP): $(PY) pyproject.toml constraints.txt
 	@$(PY) -c "import torch" >/dev/null 2>&1 || $(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -c constraints.txt -e ".[test]"
-	@touch $(STAMP)
+	$(PIP) install -q -c constraints.txt -e ".[daemon]"
+	@touch $@
 
-run: $(STAMP)
+$(STAMP): $(DAEMON_STAMP)
+	$(PIP) install -q -c constraints.txt -e ".[test]"
+	@touch $@
+
+run: $(DAEMON_STAMP)
 	$(VENV)/bin/weight-cache serve
 
 lint: $(STAMP)

@@ -6,20 +6,17 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-import torch
 
-from engine_client.attach import attach
 from engine_client.cli_options import client_config, daemon_options
-from engine_client.client import DaemonClient
-from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear
-from engine_client.loading import load_from_disk
-from engine_client.verify import Expectations
-from service.errors import WeightCacheError
-from service.schemas.layout import LayerLayout
-from service.schemas.models import ModelState
+
+if TYPE_CHECKING:  # imported when the command runs: `weight-cache --help` needs no torch
+    import torch
+
+    from engine_client.client import DaemonClient
+    from service.schemas.layout import LayerLayout
 
 
 def run_layers(
@@ -30,6 +27,10 @@ def run_layers(
     tokens: int = 8,
 ) -> dict[str, torch.Tensor]:
     """Every layer's output on a fixed bf16 input (same input for every source)."""
+    import torch
+
+    from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear
+
     out = {}
     gen = torch.Generator().manual_seed(seed)
     for layout in layers:
@@ -42,6 +43,8 @@ def run_layers(
 
 
 def _pick_model(client: DaemonClient) -> str:
+    from service.schemas.models import ModelState
+
     ready = [m.id for m in client.models() if m.state is ModelState.ready]
     if len(ready) != 1:
         raise click.UsageError(f"pass --model; ready models: {', '.join(ready) or 'none'}")
@@ -52,7 +55,9 @@ def _pick_model(client: DaemonClient) -> str:
 @daemon_options
 @click.option("--model", "model_id", help="Model id (default: the only ready model).")
 @click.option("--tp-rank", type=int, default=0, show_default=True)
-@click.option("--tp-size", type=int, default=1, show_default=True)
+@click.option(
+    "--tensor-parallel-size", "--tp-size", "tp_size", type=int, default=1, show_default=True
+)
 @click.option(
     "--device", default="auto", show_default=True, help="auto (cuda:0 when present), cpu or cuda:N."
 )
@@ -65,7 +70,7 @@ def _pick_model(client: DaemonClient) -> str:
 @click.option("--verify-checksums", is_flag=True, help="Hash every mapped byte against the lease.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def attach_command(
-    url: str,
+    url: str | None,
     uds: str | None,
     token_file: str | None,
     model_id: str | None,
@@ -78,6 +83,14 @@ def attach_command(
     as_json: bool,
 ) -> None:
     """Attach to a model as an engine would and run every layer on a fixed input."""
+    import torch
+
+    from engine_client.attach import attach
+    from engine_client.client import DaemonClient
+    from engine_client.loading import load_from_disk
+    from engine_client.verify import Expectations
+    from service.errors import WeightCacheError
+
     config = client_config(url, uds, token_file)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -114,7 +127,7 @@ def attach_command(
                     torch.equal(outputs[name], expected[name]) for name in expected
                 )
     except WeightCacheError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(exc.explain(cli=True)) from exc
     if as_json:
         click.echo(json.dumps(report))
         return

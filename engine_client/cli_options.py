@@ -1,36 +1,36 @@
-"""The options every command that talks to a daemon takes, in one place."""
+"""The options every command that talks to a daemon takes, in one place. Unset, each falls back
+to the variables the daemon itself reads, so a client finds the daemon it was configured like."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from engine_client.client import DEFAULT_URL, ClientConfig
+if TYPE_CHECKING:
+    from engine_client.client import ClientConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def daemon_options(command: F) -> F:
-    """``--url``, ``--uds`` and ``--token-file`` (also from ``WEIGHT_CACHE_*``)."""
+    """``--url``, ``--uds`` and ``--token-file``."""
     for option in reversed(
         (
             click.option(
                 "--url",
-                envvar="WEIGHT_CACHE_URL",
-                default=DEFAULT_URL,
-                show_default=True,
-                help="Daemon URL.",
+                help="Daemon URL [default: $WEIGHT_CACHE_URL, else http://$WEIGHT_CACHE_HOST:"
+                "$WEIGHT_CACHE_PORT with the daemon's defaults 127.0.0.1 and 8470].",
             ),
             click.option(
-                "--uds", envvar="WEIGHT_CACHE_UDS", help="Daemon Unix socket (instead of --url)."
+                "--uds", help="Daemon Unix socket, instead of --url [env: WEIGHT_CACHE_UDS]."
             ),
             click.option(
                 "--token-file",
-                envvar="WEIGHT_CACHE_TOKEN_FILE",
                 type=click.Path(exists=True, dir_okay=False),
-                help="Bearer token file.",
+                help="Bearer token file [env: WEIGHT_CACHE_TOKEN_FILE, or the token itself in "
+                "WEIGHT_CACHE_TOKEN; a file wins over a value, a flag over the environment].",
             ),
         )
     ):
@@ -38,5 +38,7 @@ def daemon_options(command: F) -> F:
     return command
 
 
-def client_config(url: str, uds: str | None, token_file: str | None) -> ClientConfig:
+def client_config(url: str | None, uds: str | None, token_file: str | None) -> ClientConfig:
+    from engine_client.client import ClientConfig
+
     return ClientConfig.from_env(token_file, url=url, uds=uds)

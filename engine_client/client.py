@@ -14,6 +14,7 @@ import collections
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -32,10 +33,23 @@ from service.schemas.layout import Kernel, WeightFormat
 from service.schemas.leases import LeaseGrant, LeaseInfo, LeaseRequest
 from service.schemas.manifest import Manifest
 from service.schemas.models import ModelInfo
-from service.tokens import read_token_file
+from service.tokens import resolve_token
+from service.version import DEFAULT_PORT
 
-DEFAULT_URL = "http://127.0.0.1:8470"
+DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
 T = TypeVar("T", bound=BaseModel)
+
+
+def daemon_url(environ: Mapping[str, str]) -> str:
+    """The URL of the daemon the ``WEIGHT_CACHE_*`` variables describe: ``WEIGHT_CACHE_URL``,
+    else the host and port the daemon binds (a wildcard bind is reached on loopback)."""
+    if environ.get("WEIGHT_CACHE_URL"):
+        return environ["WEIGHT_CACHE_URL"]
+    host = environ.get("WEIGHT_CACHE_HOST") or "127.0.0.1"
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{environ.get('WEIGHT_CACHE_PORT') or DEFAULT_PORT}"
 
 
 @dataclass(frozen=True)
@@ -52,21 +66,16 @@ class ClientConfig:
 
     @classmethod
     def from_env(cls, token_file: str | None = None, **overrides: Any) -> ClientConfig:
-        """The environment under the ``overrides`` given (None: not given). The token is the
-        first of: ``token``, ``token_file``, ``WEIGHT_CACHE_TOKEN``, ``WEIGHT_CACHE_TOKEN_FILE``."""
-        values: dict[str, Any] = {
-            "url": os.environ.get("WEIGHT_CACHE_URL", DEFAULT_URL),
-            "uds": os.environ.get("WEIGHT_CACHE_UDS") or None,
-        }
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        if values.get("token") is None:
-            env_file = os.environ.get("WEIGHT_CACHE_TOKEN_FILE")
-            if token_file:
-                values["token"] = read_token_file(token_file)
-            elif "WEIGHT_CACHE_TOKEN" in os.environ:
-                values["token"] = os.environ["WEIGHT_CACHE_TOKEN"]
-            elif env_file:
-                values["token"] = read_token_file(env_file)
+        """The environment under the ``overrides`` given (None: not given). The daemon's own
+        variables say where it is (``WEIGHT_CACHE_UDS``, else ``WEIGHT_CACHE_URL``, else
+        ``WEIGHT_CACHE_HOST``/``_PORT``); a ``url`` given explicitly beats an inherited socket.
+        The token follows :func:`service.tokens.resolve_token`."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        values: dict[str, Any] = {"url": daemon_url(os.environ)}
+        if "url" not in given:
+            values["uds"] = os.environ.get("WEIGHT_CACHE_UDS") or None
+        values.update(given)
+        values["token"] = resolve_token(given.get("token"), token_file)
         return cls(**values)
 
     def _headers(self) -> dict[str, str]:

@@ -11,6 +11,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,7 +60,12 @@ class Daemon:
         self.lock = threading.RLock()
         self.models: dict[str, ModelRecord] = {}
         self.leases = LeaseTable(self.boot_id, on_end=self._lease_ended)
+        # Models asked for at start and not unloaded since: what /ready waits for.
         self.startup_models: list[str] = []
+        # The first startup model that failed (unless keep_going), and who to tell: the CLI
+        # stops the server and exits non-zero.
+        self.startup_failure: tuple[str, WeightCacheError] | None = None
+        self.on_startup_failure: Callable[[], None] | None = None
         self.metrics = Metrics(self)
         self.identity = DaemonIdentity(
             boot_id=self.boot_id,
@@ -144,7 +150,13 @@ class Daemon:
             raise InvalidRequestError(str(exc), tp_size=tp_size) from exc
         with self.lock:
             if model_id in self.models:
-                raise ModelExistsError(f"model id {model_id!r} is taken", model=model_id)
+                taken = self.models[model_id]
+                raise ModelExistsError(
+                    f"model id {model_id!r} is taken ({taken.state.value}, from {taken.path}); "
+                    f"DELETE /v1/models/{model_id} to unload it first",
+                    model=model_id,
+                    state=taken.state.value,
+                )
             record = ModelRecord(id=model_id, path=path, tp_size=tp_size)
             self.models[model_id] = record
         request = LoadRequest(
@@ -225,7 +237,16 @@ class Daemon:
             record.state = ModelState.failed
             record.reserved_bytes = 0
             record.load_seconds = time.monotonic() - record.started_at
-        log.error("loading %s failed: %s", record.id, exc)
+            fatal = (
+                record.id in self.startup_models
+                and not self.settings.keep_going
+                and self.startup_failure is None
+            )
+            if fatal:
+                self.startup_failure = (record.id, exc)
+        log.error("loading %s failed: %s", record.id, exc.explain())
+        if fatal and self.on_startup_failure is not None:
+            self.on_startup_failure()
 
     def model(self, model_id: str) -> ModelRecord:
         with self.lock:
@@ -255,6 +276,8 @@ class Daemon:
                     active_leases=active,
                 )
             del self.models[model_id]
+            if model_id in self.startup_models:  # unloaded on purpose: no longer awaited
+                self.startup_models.remove(model_id)
             if record.state is ModelState.loading:
                 # Its thread is still allocating: its budget claim stands until it stops.
                 self._draining.add(record)
@@ -369,19 +392,20 @@ class Daemon:
         )
 
     def readiness(self) -> Readiness:
+        """Ready once every startup model still asked for is ready; with ``keep_going``, once
+        each is ready or failed (the failed ones are listed, and engines fall back)."""
         with self.lock:
-            states = {
-                m: (self.models[m].state if m in self.models else ModelState.failed)
-                for m in self.startup_models
+            records = [self.models[m] for m in self.startup_models if m in self.models]
+            states = {r.id: r.state for r in records}
+            failed = {
+                r.id: str(r.error) if r.error else "failed"
+                for r in records
+                if r.state is ModelState.failed
             }
-            failed = {}
-            for m, state in states.items():
-                if state is ModelState.failed:
-                    record = self.models.get(m)
-                    failed[m] = str(record.error) if record and record.error else "unloaded"
         waiting = [m for m, s in states.items() if s is ModelState.loading]
+        blocking = bool(failed) and not self.settings.keep_going
         return Readiness(
-            ready=not waiting and not failed, models=states, waiting=waiting, failed=failed
+            ready=not waiting and not blocking, models=states, waiting=waiting, failed=failed
         )
 
     def inventory(self) -> Inventory:

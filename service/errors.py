@@ -35,6 +35,17 @@ class WeightCacheError(Exception):
         context = ", ".join(f"{k}={v}" for k, v in self.extra.items() if k != "reason")
         return f"[{self.code}] {self.detail}" + (f" ({context})" if context else "")
 
+    @property
+    def hint(self) -> str:
+        """What to do about it (the troubleshooting table's last column)."""
+        return HINTS.get(self.code, "")
+
+    def explain(self, cli: bool = False) -> str:
+        """One line for an operator: the error and what to do; ``cli`` words the advice for a
+        user of the ``weight-cache`` command rather than of the HTTP API."""
+        hint = (CLI_HINTS.get(self.code) if cli else None) or self.hint
+        return f"{self}: {hint}" if hint else str(self)
+
     def problem_fields(self) -> dict[str, Any]:
         """The body of the problem document, before the schema wraps it."""
         return {
@@ -43,6 +54,7 @@ class WeightCacheError(Exception):
             "status": self.status,
             "detail": self.detail,
             "code": self.code,
+            **({"hint": self.hint} if self.hint else {}),
             **self.extra,
         }
 
@@ -55,7 +67,7 @@ def error_from_problem(body: dict[str, Any], status: int) -> WeightCacheError:
     code = str(body.get("code", ""))
     cls = _REGISTRY.get(code)
     detail = str(body.get("detail") or body.get("title") or f"HTTP {status}")
-    reserved = {"type", "title", "status", "detail", "code"}
+    reserved = {"type", "title", "status", "detail", "code", "hint"}
     extra = {k: v for k, v in body.items() if k not in reserved}
     if cls is None:
         err = WeightCacheError(detail, http_status=status, remote_code=code or None, **extra)
@@ -251,3 +263,64 @@ class VerificationError(WeightCacheError):
     @property
     def reason(self) -> str:
         return str(self.extra.get("reason", "unknown"))
+
+
+# --- Added later (kept at the end) -------------------------------------------------------------
+
+
+class PermissionDeniedError(CheckpointError):
+    """The daemon's user may not read a checkpoint file: not corruption, and re-downloading as
+    the same user would not help."""
+
+    code = "permission_denied"
+    status = 403
+    title = "Checkpoint file not readable by the daemon"
+
+
+# What to do about each code: sent as the problem document's ``hint``, printed by the CLI, and
+# the last column of the README's troubleshooting table (a test keeps the three equal).
+HINTS: dict[str, str] = {
+    "invalid_request": "fix the request; `errors` lists the fields",
+    "payload_too_large": "send a smaller body (the daemon's limit is --max-body-size)",
+    "unauthorized": "send `Authorization: Bearer <token>` with the daemon's token",
+    "path_not_allowed": "move the checkpoint below an allowed root, or start the daemon with "
+    "--allowed-root DIR",
+    "not_found": "see openapi.json for the routes",
+    "method_not_allowed": "see openapi.json for the methods each route takes (`Allow`)",
+    "model_not_found": "list the models with GET /v1/models (or `weight-cache status`)",
+    "lease_not_found": "lease again",
+    "lease_expired": "lease again, and renew within the TTL",
+    "daemon_restarted": "lease again",
+    "model_exists": "unload it first with DELETE /v1/models/{id} (a failed load stays registered "
+    "until then), or pick another id",
+    "model_in_use": "release its leases, or wait for them to expire, then unload",
+    "model_failed": "read `error` in GET /v1/models/{id}, fix the checkpoint, then unload it "
+    "(DELETE) and load it again",
+    "layout_mismatch": "ask for kernel `cutlass`, format `default` and the model's TP size",
+    "model_loading": "retry after `Retry-After` seconds, or set the loader's `wait`",
+    "insufficient_memory": "raise --memory-budget, or unload models",
+    "checkpoint_not_found": "check the path (a directory with config.json); for a Hugging Face "
+    "repo id, download it first (`huggingface-cli download ORG/NAME`)",
+    "not_modelopt_checkpoint": "use a ModelOpt FP8 export (hf_quant_config.json)",
+    "unsupported_quant_algo": "serve it with vLLM's own loader",
+    "unsupported_architecture": "serve it with vLLM's own loader",
+    "invalid_config": "fix the checkpoint's config.json, quantization config or index",
+    "missing_tensor": "re-export or re-download the checkpoint",
+    "wrong_dtype": "re-export the checkpoint",
+    "shape_mismatch": "re-export the checkpoint",
+    "invalid_scale": "re-export the checkpoint",
+    "corrupt_safetensors": "re-download the named file",
+    "permission_denied": "make the named file readable by the daemon's user (uid 10001 in the "
+    "image), e.g. `chmod a+r FILE`",
+    "tp_unsupported": "choose a TP size that divides the heads, KV heads and MLP",
+    "internal_error": "report it with the daemon's log, which holds the traceback",
+    "daemon_unavailable": "start the daemon, or point the loader's `url` / `uds` at it",
+    "verification_failed": "the engine falls back to an ordinary load; `reason` says why",
+}
+
+# The same advice for a user of the ``weight-cache`` command, where it differs.
+CLI_HINTS: dict[str, str] = {
+    "unauthorized": "pass --token-file FILE, or set WEIGHT_CACHE_TOKEN_FILE or WEIGHT_CACHE_TOKEN",
+    "daemon_unavailable": "start it (`weight-cache serve`), or point --url / --uds (or "
+    "WEIGHT_CACHE_URL, WEIGHT_CACHE_HOST, WEIGHT_CACHE_PORT, WEIGHT_CACHE_UDS) at it",
+}

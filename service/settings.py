@@ -1,49 +1,93 @@
-"""Daemon configuration: ``WEIGHT_CACHE_*`` environment variables, overridden by CLI flags."""
+"""Daemon configuration: ``WEIGHT_CACHE_*`` environment variables, overridden by CLI flags.
+
+Each option has one environment variable named after its flag (``--model`` is
+``WEIGHT_CACHE_MODEL``, ``--allowed-root`` is ``WEIGHT_CACHE_ALLOWED_ROOT``); options that take
+several values read them separated by ``:`` as ``PATH`` does. A ``WEIGHT_CACHE_*`` variable that
+names no option is refused with the closest name, so a typo never passes silently.
+"""
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AliasChoices, ByteSize, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from service.env import ENV_PREFIX, check_environment, env_names, known_variables
 from service.errors import UnauthorizedError
 from service.schemas.models import default_model_id
 from service.tokens import read_token_file
+from service.version import DEFAULT_PORT
 
-DEFAULT_PORT = 8470
+__all__ = ["DEFAULT_PORT", "DaemonSettings", "check_environment", "env_names", "known_variables"]
+
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def _env(field: str) -> AliasChoices:
+    """The environment variable(s) of a field whose name differs from its flag's."""
+    return AliasChoices(*env_names(field))
+
+
+def _split_paths(value: Any) -> Any:
+    """``a:b`` (as in PATH) from the environment; lists from flags and code pass through."""
+    if isinstance(value, str):
+        return [p for p in value.split(os.pathsep) if p]
+    return value
 
 
 class DaemonSettings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="WEIGHT_CACHE_", extra="forbid", env_ignore_empty=True
+        env_prefix=ENV_PREFIX, extra="forbid", env_ignore_empty=True, populate_by_name=True
     )
 
     host: str = "127.0.0.1"
     port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
     uds: Path | None = Field(default=None, description="serve on this Unix socket instead of TCP")
-    models: list[Path] = Field(default_factory=list, description="checkpoints to load at start")
+    models: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list,
+        validation_alias=_env("models"),
+        description="checkpoints (directories or Hugging Face repo ids) to load at start",
+    )
     model_id: str | None = Field(default=None, description="id for the first --model")
     device: str = Field(default="auto", description="auto, cpu, cuda (rank r on GPU r) or cuda:N")
-    tp_size: int = Field(default=1, ge=1, le=64)
+    tp_size: int = Field(default=1, ge=1, le=64, validation_alias=_env("tp_size"))
     token: SecretStr | None = None
     token_file: Path | None = None
-    allowed_roots: list[Path] = Field(
-        default_factory=list, description="POST /v1/models may only load below these"
+    allowed_roots: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list,
+        validation_alias=_env("allowed_roots"),
+        description="POST /v1/models may only load below these",
     )
     shm_dir: Path = Path("/dev/shm")
     cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "weight-cache")
-    default_ttl_s: float = Field(default=60.0, gt=0)
-    max_ttl_s: float = Field(default=3600.0, gt=0)
-    reaper_interval_s: float = Field(default=1.0, gt=0)
-    memory_budget_bytes: int | None = Field(default=None, ge=0)
-    max_body_bytes: int = Field(default=64 * 1024, ge=1024)
+    default_ttl_s: float = Field(default=60.0, gt=0, validation_alias=_env("default_ttl_s"))
+    max_ttl_s: float = Field(default=3600.0, gt=0, validation_alias=_env("max_ttl_s"))
+    reaper_interval_s: float = Field(default=1.0, gt=0, validation_alias=_env("reaper_interval_s"))
+    memory_budget_bytes: ByteSize | None = Field(
+        default=None,
+        ge=0,
+        validation_alias=_env("memory_budget_bytes"),
+        description="most bytes the cache may hold: 40GiB, 512MB (10^6 bytes) or a byte count",
+    )
+    max_body_bytes: ByteSize = Field(
+        default=ByteSize(64 * 1024), ge=1024, validation_alias=_env("max_body_bytes")
+    )
     load_threads: int | None = Field(
         default=None, ge=1, description="threads that process a load (default: cores - 1)"
     )
+    keep_going: bool = Field(
+        default=False, description="keep serving when a startup model fails to load"
+    )
+
+    @field_validator("models", "allowed_roots", mode="before")
+    @classmethod
+    def _paths(cls, value: Any) -> Any:
+        return _split_paths(value)
 
     @field_validator("device")
     @classmethod
@@ -54,7 +98,8 @@ class DaemonSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _token_from_file(self) -> DaemonSettings:
-        """A token file, when given (by flag or environment), wins over a token value."""
+        """A token file, when given (by flag or environment), wins over a token value: the one
+        precedence rule clients follow too (:func:`service.tokens.resolve_token`)."""
         if self.token_file is not None:
             try:
                 self.token = SecretStr(read_token_file(self.token_file))
@@ -95,3 +140,15 @@ class DaemonSettings(BaseSettings):
                 f"refusing to bind {self.host} without a token: set --token-file or "
                 "WEIGHT_CACHE_TOKEN, or bind a loopback address or a Unix socket"
             )
+
+    def check_directories(self) -> None:
+        """Directories the daemon needs must exist before it binds or loads anything."""
+        needed: list[tuple[str, Path]] = [("--shm-dir", self.shm_dir)]
+        needed += [("--allowed-root", root) for root in self.allowed_roots]
+        if self.uds is not None:
+            needed.append(("--uds (its directory)", self.uds.parent))
+        for flag, path in needed:
+            if not path.is_dir():
+                raise ValueError(f"{flag} {path} is not an existing directory")
+        if not os.access(self.shm_dir, os.W_OK | os.X_OK):
+            raise ValueError(f"--shm-dir {self.shm_dir} is not writable by this user")

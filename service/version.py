@@ -4,3 +4,6 @@ __version__ = "0.1.0"
 
 # Bumped whenever a manifest field changes meaning; the engine refuses any other value.
 PROTOCOL_VERSION = 1
+
+# Where a daemon listens unless told otherwise (clients assume the same).
+DEFAULT_PORT = 8470

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.problems import REFUSED, problem_response
+from service.api.problems import REFUSED, log_refusal, problem_response
 from service.errors import PayloadTooLargeError
 
 
@@ -27,6 +27,7 @@ class BodySizeLimit:
         error = PayloadTooLargeError(
             f"request body exceeds {self.max_bytes} bytes", limit=self.max_bytes
         )
+        log_refusal(scope.get("method", "?"), scope.get("path", "?"), error)
         await problem_response(error)(scope, receive, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -25,6 +25,13 @@ PROBLEM_MEDIA_TYPE = "application/problem+json"
 REFUSED = "weight_cache.body_refused"  # scope key set once the body limit has answered
 
 
+def log_refusal(method: str, path: str, error: WeightCacheError) -> None:
+    """One line per refused request: status, code and path (escaped by the log formatter), at
+    ERROR for the daemon's own faults (500) and INFO for the rest."""
+    level = logging.ERROR if error.status >= 500 and error.status != 503 else logging.INFO
+    log.log(level, "refused %s %s: %d %s: %s", method, path, error.status, error.code, error.detail)
+
+
 def problem_response(error: WeightCacheError, **headers: str) -> JSONResponse:
     body = error.problem_fields()
     if isinstance(error, ModelLoadingError):
@@ -57,14 +64,18 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 def install(app: FastAPI) -> None:
-    def count(request: Request, code: str) -> None:
+    def count(request: Request, error: WeightCacheError) -> None:
+        """Count and log a refusal once (the body limit does both for its own)."""
+        if request.scope.get(REFUSED):
+            return
+        log_refusal(request.method, request.url.path, error)
         daemon = getattr(request.app.state, "daemon", None)
-        if daemon is not None and not request.scope.get(REFUSED):
-            daemon.metrics.refusals.labels(code=code).inc()
+        if daemon is not None:
+            daemon.metrics.refusals.labels(code=error.code).inc()
 
     @app.exception_handler(WeightCacheError)
     async def _typed(request: Request, exc: WeightCacheError) -> JSONResponse:
-        count(request, exc.code)
+        count(request, exc)
         return problem_response(exc)
 
     @app.exception_handler(RequestValidationError)
@@ -78,7 +89,7 @@ def install(app: FastAPI) -> None:
             for e in exc.errors()
         ]
         error = InvalidRequestError("the request does not match the API schema", errors=errors)
-        count(request, error.code)
+        count(request, error)
         return problem_response(error)
 
     @app.exception_handler(StarletteHTTPException)
@@ -96,11 +107,12 @@ def install(app: FastAPI) -> None:
         else:
             log.error("unexpected HTTP %d on %s: %s", exc.status_code, request.url.path, exc)
             error = WeightCacheError(f"HTTP {exc.status_code}: {exc.detail}")
-        count(request, error.code)
+        count(request, error)
         return problem_response(error, **headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        count(request, WeightCacheError.code)
-        return problem_response(WeightCacheError(f"internal error: {type(exc).__name__}"))
+        error = WeightCacheError(f"internal error: {type(exc).__name__}")
+        count(request, error)
+        return problem_response(error)

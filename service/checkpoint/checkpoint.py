@@ -21,6 +21,7 @@ from service.checkpoint.safetensors_files import (
     TensorInfo,
     TensorReader,
     index_tensors,
+    unreadable,
     weight_files,
 )
 from service.errors import CheckpointNotFoundError, InvalidConfigError
@@ -52,7 +53,7 @@ class Checkpoint:
         try:
             config = json.loads(config_path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InvalidConfigError(
+            raise unreadable(exc, config_path) or InvalidConfigError(
                 f"cannot parse config.json: {exc}", file=str(config_path)
             ) from exc
         if not isinstance(config, dict):

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from service.checkpoint.architecture import PACKED_MODULES
+from service.checkpoint.safetensors_files import unreadable
 from service.errors import InvalidConfigError, NotModelOptCheckpointError, UnsupportedQuantAlgoError
 from service.schemas.layout import Scheme
 
@@ -89,7 +90,9 @@ def _load_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidConfigError(f"cannot parse {path.name}: {exc}", file=str(path)) from exc
+        raise unreadable(exc, path) or InvalidConfigError(
+            f"cannot parse {path.name}: {exc}", file=str(path)
+        ) from exc
     if not isinstance(data, dict):
         raise InvalidConfigError(f"{path.name} is not a JSON object", file=str(path))
     return data

@@ -9,6 +9,7 @@ bytes for the checkpoint fingerprint.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,13 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from service.errors import CorruptFileError, InvalidConfigError, MissingTensorError
+from service.errors import (
+    CheckpointError,
+    CorruptFileError,
+    InvalidConfigError,
+    MissingTensorError,
+    PermissionDeniedError,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 # Larger than any real header (a 70B model's is ~100 KB); bounds what a lying length can cost.
@@ -60,6 +67,21 @@ class TensorInfo:
         return self.numel * self.dtype.itemsize
 
 
+def unreadable(exc: BaseException, path: Path) -> PermissionDeniedError | None:
+    """A permission error, however the failing library reported it (safetensors says "No such
+    file" for a file it may not open): asks the OS whether this process may read ``path``."""
+    if isinstance(exc, PermissionError) or (path.exists() and not os.access(path, os.R_OK)):
+        return PermissionDeniedError(
+            f"the daemon (uid {os.getuid()}) may not read this file", file=str(path)
+        )
+    return None
+
+
+def file_error(exc: BaseException, path: Path, tensor: str | None = None) -> CheckpointError:
+    """The typed error for a safetensors file that failed to open or read."""
+    return unreadable(exc, path) or CorruptFileError(str(exc), file=str(path), tensor=tensor)
+
+
 def read_raw_header(path: Path) -> bytes:
     """The JSON header bytes exactly as stored (for fingerprints), bounded in size."""
     try:
@@ -77,7 +99,9 @@ def read_raw_header(path: Path) -> bytes:
                 )
             raw = f.read(length)
     except OSError as exc:
-        raise CorruptFileError(f"cannot read: {exc}", file=str(path)) from exc
+        raise unreadable(exc, path) or CorruptFileError(
+            f"cannot read: {exc}", file=str(path)
+        ) from exc
     return raw
 
 
@@ -93,7 +117,9 @@ def weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
             ):
                 raise TypeError("weight_map must map tensor names to file names")
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise InvalidConfigError(f"bad {INDEX_FILE}: {exc}", file=str(index_path)) from exc
+            raise unreadable(exc, index_path) or InvalidConfigError(
+                f"bad {INDEX_FILE}: {exc}", file=str(index_path)
+            ) from exc
         files = []
         for name in sorted(set(weight_map.values())):
             path = (directory / name).resolve()
@@ -119,7 +145,7 @@ def _index_one(path: Path) -> tuple[bytes, dict[str, TensorInfo]]:
         with safe_open(str(path), framework="pt") as f:  # validates header and offsets
             names = list(f.keys())
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise CorruptFileError(str(exc), file=str(path)) from exc
+        raise file_error(exc, path) from exc
     raw = read_raw_header(path)
     header: dict[str, Any] = json.loads(raw)
     infos: dict[str, TensorInfo] = {}
@@ -176,7 +202,7 @@ class TensorReader:
             try:
                 handle = safe_open(str(path), framework="pt")
             except (SafetensorError, OSError) as exc:
-                raise CorruptFileError(str(exc), file=str(path)) from exc
+                raise file_error(exc, path) from exc
             self._handles[path] = handle
         return handle
 
@@ -195,7 +221,7 @@ class TensorReader:
             # copy is the caller's, straight from the page cache into its destination.
             tensor: torch.Tensor = self._handle(info.file).get_tensor(name)
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-            raise CorruptFileError(str(exc), file=str(info.file), tensor=name) from exc
+            raise file_error(exc, info.file, name) from exc
         if rows is not None:
             tensor = tensor[rows[0] : rows[1]]
         if cols is not None:

@@ -1,16 +1,20 @@
-"""The ``weight-cache`` command: one group, one module per subcommand."""
+"""The ``weight-cache`` command: one group, one module per subcommand.
+
+The modules defining the commands import only click and pydantic at the top: torch, FastAPI and
+uvicorn are imported inside the commands that use them, so ``--help`` answers at once.
+"""
 
 from __future__ import annotations
-
-import logging
 
 import click
 
 from engine_client.cli import attach_command
 from service.cli.demo import demo_checkpoint
 from service.cli.openapi import openapi
-from service.cli.serve import serve
+from service.cli.serve import SettingsError, serve
 from service.cli.status import status
+from service.env import check_environment
+from service.logs import FORMATS, LEVELS, configure_logging
 from service.version import __version__
 
 
@@ -18,12 +22,23 @@ from service.version import __version__
 @click.version_option(__version__, prog_name="weight-cache")
 @click.option(
     "--log-level",
+    envvar="WEIGHT_CACHE_LOG_LEVEL",
     default="INFO",
     show_default=True,
-    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-    help="Logging level for this command.",
+    show_envvar=True,
+    type=click.Choice(LEVELS, case_sensitive=False),
+    help="Level of every log line, uvicorn's included.",
 )
-def cli(log_level: str) -> None:
+@click.option(
+    "--log-format",
+    envvar="WEIGHT_CACHE_LOG_FORMAT",
+    default="text",
+    show_default=True,
+    show_envvar=True,
+    type=click.Choice(FORMATS, case_sensitive=False),
+    help="text, or json (one object per line).",
+)
+def cli(log_level: str, log_format: str) -> None:
     """Keep ModelOpt FP8 weights processed and resident; lend them to vLLM engines.
 
     \b
@@ -36,12 +51,14 @@ def cli(log_level: str) -> None:
     \b
     With vLLM: vllm serve CKPT --load-format weight_cache \\
         --model-loader-extra-config '{"url": "http://127.0.0.1:8470"}'
-    Error codes, metrics and deployment: README.md.
+    Settings (`serve --help` lists every WEIGHT_CACHE_* variable), error codes, metrics and
+    deployment: README.md.
     """
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
+    configure_logging(log_level, log_format.lower())
+    try:
+        check_environment()
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from exc
 
 
 for command in (serve, status, attach_command, openapi, demo_checkpoint):

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import click
-from rich.console import Console
-from rich.table import Table
 
 from engine_client.cli_options import client_config, daemon_options
-from service.errors import WeightCacheError
 
 
 def _size(n: int) -> str:
@@ -20,16 +17,19 @@ def _size(n: int) -> str:
 
 @click.command("status")
 @daemon_options
-def status(url: str, uds: str | None, token_file: str | None) -> None:
+def status(url: str | None, uds: str | None, token_file: str | None) -> None:
     """Print devices, models and leases held by a running daemon."""
-    from engine_client.client import DaemonClient
+    from rich.console import Console
+    from rich.table import Table
 
-    config = client_config(url, uds, token_file)
+    from engine_client.client import DaemonClient
+    from service.errors import WeightCacheError
+
     try:
-        with DaemonClient(config) as client:
+        with DaemonClient(client_config(url, uds, token_file)) as client:
             inv = client.inventory()
     except WeightCacheError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(exc.explain(cli=True)) from exc
     console = Console()
     console.print(
         f"weight-cache {inv.version}  boot {inv.boot_id}  "

@@ -17,6 +17,10 @@ class Health(BaseModel):
 
 class Readiness(BaseModel):
     ready: bool
-    models: dict[str, ModelState] = Field(description="every model asked for at start")
+    models: dict[str, ModelState] = Field(
+        description="every model asked for at start and not unloaded since"
+    )
     waiting: list[str] = Field(description="still loading")
-    failed: dict[str, str] = Field(description="model id -> why it failed")
+    failed: dict[str, str] = Field(
+        description="model id -> why it failed (blocks readiness unless --keep-going)"
+    )

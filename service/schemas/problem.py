@@ -13,3 +13,4 @@ class Problem(BaseModel):
     status: int
     detail: str
     code: str = Field(description="stable machine-readable error code")
+    hint: str | None = Field(default=None, description="what to do about it")

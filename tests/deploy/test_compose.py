@@ -58,7 +58,20 @@ def test_daemon_service(compose: dict[str, Any]) -> None:
     assert all(p.startswith("127.0.0.1:") for p in daemon["ports"])
     assert daemon["volumes"] == ["/srv/models:/models:ro"]
     assert daemon["environment"]["WEIGHT_CACHE_TOKEN_FILE"] == "/run/secrets/weight_cache_token"
-    assert daemon["secrets"] == ["weight_cache_token"]
+    # the image's non-root user (uid/gid 10001) can read the secret
+    assert daemon["secrets"] == [
+        {
+            "source": "weight_cache_token",
+            "target": "weight_cache_token",
+            "uid": "10001",
+            "gid": "10001",
+            "mode": 0o440,
+        }
+    ]
+    # every variable the daemon is given is one it knows (an unknown one stops it)
+    from service.settings import check_environment
+
+    check_environment(daemon["environment"])
     assert daemon["ipc"] == "shareable"
     assert daemon["restart"] == "unless-stopped"
     (gpu,) = daemon["deploy"]["resources"]["reservations"]["devices"]
@@ -66,6 +79,46 @@ def test_daemon_service(compose: dict[str, Any]) -> None:
     assert str(gpu["count"]) == "1"  # one GPU per TP rank
     args = daemon["command"]
     assert args[args.index("--allowed-root") + 1] == "/models"
+    assert "--keep-going" in args  # a failed model leaves the engine its fallback
+
+
+def test_daemon_readiness_gates_the_engine(compose: dict[str, Any]) -> None:
+    """Compose waits on readiness (/ready), for a start period the operator sets; the image's
+    own check is liveness (/health)."""
+    check = compose["services"]["daemon"]["healthcheck"]
+    assert "/ready" in " ".join(check["test"])
+    assert check["start_period"] == env_example()["DAEMON_START_PERIOD"] == "15m"
+    custom = yaml.safe_load(
+        substitute(COMPOSE.read_text(), {**env_example(), "DAEMON_START_PERIOD": "45m"})
+    )
+    assert custom["services"]["daemon"]["healthcheck"]["start_period"] == "45m"
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    (healthcheck,) = re.findall(r"^HEALTHCHECK .*\n.*$", dockerfile, re.M)
+    assert "/health'" in healthcheck and "/ready" not in healthcheck
+
+
+def test_build_context_and_git_leave_out_local_files() -> None:
+    """The build context holds only what the Dockerfiles copy (no .venv, no operator secrets);
+    git ignores the files the README tells an operator to create."""
+    root = DOCKER.parent
+    rules = [
+        line
+        for line in (root / ".dockerignore").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    assert rules[0] == "*"  # everything out, then the sources back in
+    included = {r[1:].rstrip("/") for r in rules if r.startswith("!")}
+    for dockerfile in ("Dockerfile", "Dockerfile.vllm"):
+        for line in re.findall(r"^COPY (.+)$", (DOCKER / dockerfile).read_text(), re.M):
+            sources = line.split()[:-1]
+            assert set(sources) <= included, (dockerfile, sources)
+    assert not included & {".venv", "docker", ".git", "tests"}
+    ignored = (root / ".gitignore").read_text().splitlines()
+    assert {"docker/.env", "docker/weight_cache_token"} <= set(ignored)
+    readme = (root / "README.md").read_text()
+    assert (
+        "cp docker/.env.example docker/.env" in readme and "> docker/weight_cache_token" in readme
+    )
 
 
 def test_engine_service(compose: dict[str, Any]) -> None:
@@ -95,6 +148,7 @@ def test_engine_service(compose: dict[str, Any]) -> None:
 
 
 def test_token_is_a_secret(compose: dict[str, Any]) -> None:
+    assert compose["services"]["engine"]["secrets"] == ["weight_cache_token"]
     assert compose["secrets"] == {"weight_cache_token": {"file": "./weight_cache_token"}}
     assert "TOKEN" not in json.dumps(compose["services"]["daemon"]["environment"]).replace(
         "TOKEN_FILE", ""
@@ -104,7 +158,7 @@ def test_token_is_a_secret(compose: dict[str, Any]) -> None:
 def test_daemon_dockerfile() -> None:
     text = (DOCKER / "Dockerfile").read_text()
     assert re.search(r"^USER 10001", text, re.M)  # not root
-    assert "HEALTHCHECK" in text and "/ready" in text
+    assert "HEALTHCHECK" in text
     assert 'ENTRYPOINT ["weight-cache", "serve"]' in text
     assert '".[daemon]"' in text
     vllm = (DOCKER / "Dockerfile.vllm").read_text()

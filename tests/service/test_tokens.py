@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import SecretStr, ValidationError
@@ -38,11 +39,33 @@ def test_daemon_settings_take_the_file_over_a_value(tmp_path: Path) -> None:
 
 
 def test_client_token_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given beats the environment; within each, a file beats a value."""
     (tmp_path / "given").write_text("given-file\n")
     (tmp_path / "env").write_text("env-file\n")
-    monkeypatch.setenv("WEIGHT_CACHE_TOKEN_FILE", str(tmp_path / "env"))
-    assert ClientConfig.from_env().token == "env-file"
     monkeypatch.setenv("WEIGHT_CACHE_TOKEN", "env-value")
     assert ClientConfig.from_env().token == "env-value"
+    monkeypatch.setenv("WEIGHT_CACHE_TOKEN_FILE", str(tmp_path / "env"))
+    assert ClientConfig.from_env().token == "env-file"
+    assert ClientConfig.from_env(token="value").token == "value"
     assert ClientConfig.from_env(str(tmp_path / "given")).token == "given-file"
-    assert ClientConfig.from_env(str(tmp_path / "given"), token="value").token == "value"
+    assert ClientConfig.from_env(str(tmp_path / "given"), token="value").token == "given-file"
+
+
+@pytest.mark.parametrize("env_value", [None, "env-value"])
+@pytest.mark.parametrize("env_file", [False, True])
+@pytest.mark.parametrize("flag_file", [False, True])
+def test_daemon_and_client_pick_the_same_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env_value, env_file, flag_file
+) -> None:
+    """A daemon and a client started with the same variables and --token-file agree."""
+    (tmp_path / "flag").write_text("flag-file\n")
+    (tmp_path / "env").write_text("env-file\n")
+    if env_value:
+        monkeypatch.setenv("WEIGHT_CACHE_TOKEN", env_value)
+    if env_file:
+        monkeypatch.setenv("WEIGHT_CACHE_TOKEN_FILE", str(tmp_path / "env"))
+    flag = tmp_path / "flag" if flag_file else None
+    given: dict[str, Any] = {"token_file": flag} if flag else {}  # as `serve` passes flags
+    daemon = DaemonSettings(**given).token
+    client = ClientConfig.from_env(str(flag) if flag else None).token
+    assert (daemon.get_secret_value() if daemon else None) == client

@@ -37,3 +37,33 @@ def test_inventory(served: Served) -> None:
     assert inv["active_leases"] == 0 and inv["memory_budget"] is None
     served.client.post("/v1/leases", json=served.lease_body())
     assert served.client.get("/v1/inventory").json()["active_leases"] == 1
+
+
+def test_unloading_a_startup_model_leaves_readiness(served: Served, tiny_fp8: Path) -> None:
+    """An explicit DELETE means the model is no longer wanted: /ready stays green, and loading
+    it again under the same id works."""
+    assert served.client.delete("/v1/models/tiny").status_code == 204
+    r = served.client.get("/ready")
+    assert r.status_code == 200
+    assert r.json() == {"ready": True, "models": {}, "waiting": [], "failed": {}}
+    r = served.client.post("/v1/models", json={"path": str(tiny_fp8), "id": "tiny"})
+    assert r.status_code == 202
+    served.wait_ready("tiny")
+    assert served.client.get("/ready").status_code == 200
+
+
+def test_a_failed_startup_model_stops_the_daemon_unless_keep_going(
+    serve, tiny_fp8: Path, copy_of
+) -> None:
+    broken = copy_of(tiny_fp8)
+    (broken / "config.json").write_text("{}")
+    served = serve(models=[broken])
+    model, error = served.daemon.startup_failure or ("", None)
+    assert model == "tiny" and error is not None and error.code == "invalid_config"
+    kept = serve(models=[broken], keep_going=True)
+    assert kept.daemon.startup_failure is None
+    r = kept.client.get("/ready")
+    assert r.status_code == 200  # the engine may start, and falls back for this model
+    assert (
+        r.json()["models"] == {"tiny": "failed"} and "invalid_config" in r.json()["failed"]["tiny"]
+    )

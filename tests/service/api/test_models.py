@@ -70,6 +70,9 @@ def test_duplicate_id(served: Served, tiny_pc: Path) -> None:
     before = served.snapshot()
     r = served.client.post("/v1/models", json={"path": str(tiny_pc), "id": "tiny"})
     assert r.status_code == 409 and r.json()["code"] == "model_exists"
+    # it says what to do: unload first (a failed load keeps its id until then)
+    assert "DELETE /v1/models/tiny" in r.json()["detail"] and r.json()["state"] == "ready"
+    assert r.json()["hint"].startswith("unload it first")
     assert served.snapshot() == before
 
 

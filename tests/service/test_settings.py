@@ -1,0 +1,168 @@
+"""Settings as an operator gives them: environment variables named after the flags, sizes with
+units, unknown variables refused, and clients finding the daemon from the same variables."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from engine_client.client import ClientConfig, daemon_url
+from service.checkpoint.locate import locate_checkpoint
+from service.cli import cli
+from service.cli.serve import SettingsError, build_settings
+from service.errors import CheckpointNotFoundError
+from service.settings import DaemonSettings, check_environment, env_names, known_variables
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("WEIGHT_CACHE_") or name.startswith("HF_"):
+            monkeypatch.delenv(name)
+
+
+def test_model_and_allowed_root_take_plain_paths(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("WEIGHT_CACHE_MODEL", "/models/a")
+    monkeypatch.setenv("WEIGHT_CACHE_ALLOWED_ROOT", f"{tmp_path}:/srv/models")
+    settings = DaemonSettings()
+    assert settings.models == [Path("/models/a")]
+    assert settings.allowed_roots == [tmp_path, Path("/srv/models")]
+    monkeypatch.setenv("WEIGHT_CACHE_MODEL", "/models/a:/models/b")
+    assert DaemonSettings().models == [Path("/models/a"), Path("/models/b")]
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("40GiB", 40 << 30), ("512MB", 512_000_000), ("512MiB", 512 << 20), ("123456", 123456)],
+)
+def test_memory_budget_takes_sizes(monkeypatch, value: str, expected: int) -> None:
+    monkeypatch.setenv("WEIGHT_CACHE_MEMORY_BUDGET", value)
+    assert DaemonSettings().memory_budget_bytes == expected
+    monkeypatch.delenv("WEIGHT_CACHE_MEMORY_BUDGET")
+    monkeypatch.setenv("WEIGHT_CACHE_MEMORY_BUDGET_BYTES", value)  # the older name still works
+    assert DaemonSettings().memory_budget_bytes == expected
+    assert build_settings(memory_budget_bytes=value).memory_budget_bytes == expected
+
+
+def test_a_flag_wins_over_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("WEIGHT_CACHE_TENSOR_PARALLEL_SIZE", "2")
+    monkeypatch.setenv("WEIGHT_CACHE_PORT", "9000")
+    assert DaemonSettings().tp_size == 2
+    settings = build_settings(tp_size=4, models=())
+    assert settings.tp_size == 4 and settings.port == 9000
+
+
+def test_a_bad_value_is_one_line_naming_the_flag_and_variable(monkeypatch) -> None:
+    with pytest.raises(SettingsError) as err:
+        build_settings(memory_budget_bytes="12XB")
+    assert err.value.exit_code == 2 and "\n" not in err.value.message
+    assert err.value.message.startswith("--memory-budget / WEIGHT_CACHE_MEMORY_BUDGET")
+    monkeypatch.setenv("WEIGHT_CACHE_PORT", "eighty")
+    with pytest.raises(SettingsError, match=r"^--port / WEIGHT_CACHE_PORT: "):
+        build_settings()
+
+
+def test_unknown_variables_are_refused_with_the_closest_name() -> None:
+    check_environment({"WEIGHT_CACHE_PORT": "1", "PATH": "/bin"})
+    with pytest.raises(
+        ValueError, match=r"WEIGHT_CACHE_MODLE \(did you mean WEIGHT_CACHE_MODEL\?\)"
+    ):
+        check_environment({"WEIGHT_CACHE_MODLE": "/m"})
+    with pytest.raises(ValueError, match=r"did you mean WEIGHT_CACHE_MODEL\?"):
+        check_environment({"WEIGHT_CACHE_MODELS": "/m"})  # the old JSON-only name
+    with pytest.raises(ValueError, match="WEIGHT_CACHE_XYZZY;"):
+        check_environment({"WEIGHT_CACHE_XYZZY": "1"})
+
+
+def test_the_command_refuses_an_unknown_variable() -> None:
+    result = CliRunner().invoke(cli, ["status"], env={"WEIGHT_CACHE_PROT": "9000"})
+    assert result.exit_code == 2
+    assert "WEIGHT_CACHE_PROT (did you mean WEIGHT_CACHE_PORT?)" in result.output
+
+
+def test_every_variable_is_in_the_help_and_the_readme() -> None:
+    serve_help = CliRunner().invoke(cli, ["serve", "--help"], terminal_width=200).output
+    top_help = CliRunner().invoke(cli, ["--help"], terminal_width=200).output
+    attach_help = CliRunner().invoke(cli, ["attach", "--help"], terminal_width=200).output
+    readme_table = set(re.findall(r"`(WEIGHT_CACHE_[A-Z_]+)`", README.read_text()))
+    for field in DaemonSettings.model_fields:
+        for name in env_names(field):
+            assert name in " ".join(serve_help.split()), name
+    for name in ("WEIGHT_CACHE_LOG_LEVEL", "WEIGHT_CACHE_LOG_FORMAT"):
+        assert name in top_help
+    for name in ("WEIGHT_CACHE_URL", "WEIGHT_CACHE_UDS", "WEIGHT_CACHE_TOKEN_FILE"):
+        assert name in attach_help
+    assert set(known_variables()) <= readme_table, set(known_variables()) - readme_table
+    assert readme_table <= set(known_variables()), readme_table - set(known_variables())
+
+
+def test_clients_find_the_daemon_from_its_variables(monkeypatch) -> None:
+    assert daemon_url({}) == "http://127.0.0.1:8470"
+    assert daemon_url({"WEIGHT_CACHE_PORT": "9001"}) == "http://127.0.0.1:9001"
+    assert daemon_url({"WEIGHT_CACHE_HOST": "0.0.0.0", "WEIGHT_CACHE_PORT": "9"}) == (
+        "http://127.0.0.1:9"
+    )
+    assert daemon_url({"WEIGHT_CACHE_HOST": "::1"}) == "http://[::1]:8470"
+    assert daemon_url({"WEIGHT_CACHE_URL": "http://h:1", "WEIGHT_CACHE_PORT": "9"}) == "http://h:1"
+    monkeypatch.setenv("WEIGHT_CACHE_PORT", "9002")
+    monkeypatch.setenv("WEIGHT_CACHE_UDS", "/run/wc.sock")
+    config = ClientConfig.from_env()
+    assert config.url == "http://127.0.0.1:9002" and config.uds == "/run/wc.sock"
+    explicit = ClientConfig.from_env(url="http://127.0.0.1:1")
+    assert explicit.url == "http://127.0.0.1:1" and explicit.uds is None  # a flag beats the env
+
+
+def hub_snapshot(hf_home: Path, repo_id: str, revision: str = "abc123") -> Path:
+    """What huggingface_hub leaves in its cache after a download."""
+    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot
+
+
+def test_a_repo_id_resolves_through_the_local_hub_cache(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointNotFoundError) as err:
+        locate_checkpoint("nvidia/Llama-3.1-8B-Instruct-FP8")
+    assert "huggingface-cli download nvidia/Llama-3.1-8B-Instruct-FP8" in err.value.detail
+    assert str(tmp_path / "hf" / "hub") in err.value.detail
+    snapshot = hub_snapshot(tmp_path / "hf", "nvidia/Llama-3.1-8B-Instruct-FP8")
+    assert locate_checkpoint("nvidia/Llama-3.1-8B-Instruct-FP8") == snapshot.resolve()
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))  # wins over HF_HOME
+    with pytest.raises(CheckpointNotFoundError):
+        locate_checkpoint("nvidia/Llama-3.1-8B-Instruct-FP8")
+
+
+def test_paths_are_made_absolute(monkeypatch, tmp_path: Path, tiny_fp8: Path) -> None:
+    monkeypatch.chdir(tiny_fp8.parent)
+    settings = build_settings(models=(tiny_fp8.name,))
+    assert settings.models == [tiny_fp8.resolve()]
+    with pytest.raises(SettingsError, match=r"^--model: checkpoint directory /.*/nope does not"):
+        build_settings(models=("./nope",))
+
+
+def test_the_help_names_the_variables_pydantic_reads() -> None:
+    """``--help`` takes names from service.env without pydantic; the settings read the same."""
+    from pydantic import AliasChoices
+
+    from service.env import ALIASES
+
+    for field, info in DaemonSettings.model_fields.items():
+        if isinstance(info.validation_alias, AliasChoices):
+            assert list(info.validation_alias.choices) == env_names(field)
+        else:
+            assert field not in ALIASES and env_names(field) == [f"WEIGHT_CACHE_{field.upper()}"]
+    from service.env import SETTINGS_FIELDS
+
+    assert tuple(DaemonSettings.model_fields) == SETTINGS_FIELDS
