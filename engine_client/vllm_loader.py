@@ -36,7 +36,7 @@ from engine_client.attach import Attachment
 from engine_client.client import ClientConfig, DaemonClient
 from engine_client.loading import attach_waiting, record_fallback
 from engine_client.verify import Expectations, Reason
-from service.checkpoint import checkpoint_fingerprint
+from service.checkpoint import Fingerprint, checkpoint_fingerprint
 from service.errors import (
     ModelNotFoundError,
     VerificationError,
@@ -224,7 +224,7 @@ def _register() -> type:
             return rank_bytes
 
         def _daemon_model(
-            self, model_config: Any, config: ClientConfig, fingerprint: str | None = None
+            self, model_config: Any, config: ClientConfig, fingerprint: Fingerprint | None = None
         ) -> tuple[str, int]:
             """The daemon's model for this engine: the one named in the options, else the
             ready (or loading) one of this checkpoint at this TP size; and its bytes per rank."""
@@ -240,7 +240,7 @@ def _register() -> type:
                 chosen = [
                     m
                     for m in models
-                    if m.fingerprint == fingerprint
+                    if fingerprint.matches(m.digests)
                     and m.state in (ModelState.ready, ModelState.loading)
                     and m.tp_size == tp_size
                 ]
@@ -278,13 +278,13 @@ def _register() -> type:
 
             if get_pp_group().world_size != 1:
                 raise VerificationError(
-                    "pipeline parallelism is not served", reason=Reason.tp_mismatch.value
+                    "pipeline parallelism is not served", reason=Reason.pipeline_parallel.value
                 )
             checkpoint = Path(model_config.model)
             if not checkpoint.is_dir():
                 raise VerificationError(
                     f"{checkpoint} is not a local checkpoint directory",
-                    reason=Reason.fingerprint_mismatch.value,
+                    reason=Reason.not_local_checkpoint.value,
                 )
             device = torch.device(vllm_config.device_config.device)
             if device.type == "cuda" and device.index is None:

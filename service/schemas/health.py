@@ -17,6 +17,8 @@ class Health(BaseModel):
 
 class Readiness(BaseModel):
     ready: bool
-    models: dict[str, ModelState] = Field(description="every model asked for at start")
+    models: dict[str, ModelState] = Field(
+        description="every model asked for at start, and any whose arena was lost"
+    )
     waiting: list[str] = Field(description="still loading")
     failed: dict[str, str] = Field(description="model id -> why it failed")
