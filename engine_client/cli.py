@@ -14,9 +14,11 @@ import torch
 from engine_client.attach import attach
 from engine_client.cli_options import client_config, daemon_options
 from engine_client.client import DaemonClient
+from engine_client.fallback import reason_of
 from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear
 from engine_client.loading import load_from_disk
 from engine_client.verify import Expectations
+from service.checkpoint import DEFAULT_TIER, IdentityTier
 from service.errors import WeightCacheError
 from service.schemas.layout import LayerLayout
 from service.schemas.models import ModelState
@@ -61,6 +63,13 @@ def _pick_model(client: DaemonClient) -> str:
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     help="This engine's copy of the checkpoint (default: the daemon's path).",
 )
+@click.option(
+    "--identity",
+    type=click.Choice([t.value for t in IdentityTier]),
+    default=DEFAULT_TIER.value,
+    show_default=True,
+    help="How to check the checkpoint is the daemon's (full: hash every byte).",
+)
 @click.option("--check", is_flag=True, help="Compare every layer with an ordinary disk load.")
 @click.option("--verify-checksums", is_flag=True, help="Hash every mapped byte against the lease.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -73,6 +82,7 @@ def attach_command(
     tp_size: int,
     device: str,
     checkpoint: Path | None,
+    identity: str,
     check: bool,
     verify_checksums: bool,
     as_json: bool,
@@ -87,7 +97,12 @@ def attach_command(
             model_id = model_id or _pick_model(client)
             path = checkpoint or Path(client.model(model_id).path)
         expect = Expectations.for_checkpoint(
-            path, dev, tp_rank=tp_rank, tp_size=tp_size, verify_checksums=verify_checksums
+            path,
+            dev,
+            IdentityTier(identity),
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            verify_checksums=verify_checksums,
         )
         with attach(model_id, expect, config=config, keep_alive=False) as att:
             outputs = run_layers(att.layers, att.tensors, dev)
@@ -114,7 +129,7 @@ def attach_command(
                     torch.equal(outputs[name], expected[name]) for name in expected
                 )
     except WeightCacheError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(f"{exc} (reason: {reason_of(exc).value})") from exc
     if as_json:
         click.echo(json.dumps(report))
         return
