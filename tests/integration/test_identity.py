@@ -49,7 +49,7 @@ def serving_a(tmp_path: Path, seeds: tuple[Path, Path]):
 def test_a_fine_tune_is_refused_and_falls_back(
     serving_a: DaemonProcess, seeds: tuple[Path, Path]
 ) -> None:
-    a, b = seeds
+    b = seeds[1]
     url = serving_a.url
     refused = run([*CLI, "attach", "--url", url, "--model", "a", "--checkpoint", str(b)], False)
     assert refused.returncode == 1
@@ -63,10 +63,8 @@ def test_the_served_checkpoint_attaches_at_every_tier(
     serving_a: DaemonProcess, seeds: tuple[Path, Path], tier: str
 ) -> None:
     a, _ = seeds
-    out = run(
-        [*CLI, "attach", "--url", serving_a.url, "--model", "a", "--checkpoint", str(a)]
-        + ["--identity", tier, "--check", "--json"]
-    )
+    args = ["--model", "a", "--checkpoint", str(a), "--identity", tier, "--check", "--json"]
+    out = run([*CLI, "attach", "--url", serving_a.url, *args])
     report = json.loads(out.stdout)
     assert report["zero_copy"] is True and report["matches_disk_load"] is True
     assert engine_load(serving_a.url, "a", a, tier) == {"source": "daemon", "reason": None}
