@@ -1,5 +1,10 @@
 """Opening a leased arena in the engine: CUDA IPC on this process's GPU with the leased UUID, or
-the shared-memory file mapped read-only."""
+the shared-memory file mapped read-only.
+
+Whatever stops the open is raised typed from here: a shared-memory file that is gone, not
+readable or of the wrong size is :class:`~service.errors.ArenaUnavailableError`; CUDA refusing a
+handle (another IPC namespace, a dead daemon, a driver error) is
+:class:`~service.errors.IpcOpenError`."""
 
 from __future__ import annotations
 
@@ -8,10 +13,11 @@ from pathlib import Path
 
 import torch
 
-from service.errors import VerificationError
+from service.errors import ArenaUnavailableError, IpcOpenError, VerificationError
 from service.memory.cuda_ipc import open_cuda_arena, release_cuda_export
 from service.memory.devices import cuda_index_for_uuid
 from service.memory.shm import map_read_only
+from service.reasons import Reason
 from service.schemas.manifest import ArenaDescriptor, ArenaHandle, CudaIpcHandle
 
 
@@ -42,8 +48,25 @@ def open_arena(descriptor: ArenaDescriptor) -> OpenedArena:
         if index is None:
             raise VerificationError(
                 f"GPU {handle.device_uuid} is not visible to this process",
-                reason="device_mismatch",
+                reason=Reason.device_mismatch,
                 leased=handle.device_uuid,
             )
-        return OpenedArena(open_cuda_arena(handle, index))
-    return OpenedArena(map_read_only(Path(handle.path), handle.size))
+        try:
+            return OpenedArena(open_cuda_arena(handle, index))
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise IpcOpenError(
+                f"CUDA cannot open the leased arena on GPU {handle.device_uuid}: {exc} (is the "
+                "engine in the daemon's PID and IPC namespaces?)",
+                reason=Reason.ipc_open_failed,
+                device=handle.device_uuid,
+            ) from exc
+    try:
+        return OpenedArena(map_read_only(Path(handle.path), handle.size))
+    except (OSError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ArenaUnavailableError(
+            f"cannot map the leased arena {handle.path}: {why} (is /dev/shm shared with the "
+            "daemon?)",
+            reason=Reason.arena_unavailable,
+            file=handle.path,
+        ) from exc

@@ -1,6 +1,9 @@
 """Attaching to leased weights: lease, verify, open the arena once, rebuild every tensor as a
 zero-copy view with the manifest's exact dtype, shape and stride, and keep the lease alive until
-the attachment is closed (or the process exits)."""
+the attachment is closed (or the process exits).
+
+:func:`attach` raises only typed errors: the client, verification and the arena opener raise
+their own, and anything else in verifying or rebuilding is mapped here with the step's reason."""
 
 from __future__ import annotations
 
@@ -17,9 +20,11 @@ import torch
 
 from engine_client.arenas import OpenedArena, open_arena, release_unopened
 from engine_client.client import ClientConfig, DaemonClient
+from engine_client.fallback import typed_failures
 from engine_client.verify import Expectations, verify_checksums, verify_grant
 from service.dtypes import to_torch
 from service.errors import DaemonUnavailableError, WeightCacheError
+from service.reasons import Reason
 from service.schemas.layout import LayerLayout
 from service.schemas.leases import LeaseGrant
 from service.schemas.manifest import Manifest
@@ -206,19 +211,22 @@ def attach(
         arena: OpenedArena | None = None
         try:
             start = time.perf_counter()
-            verify_grant(grant, expect)
-            manifest = grant.full_manifest()
+            with typed_failures(Reason.manifest_invalid):
+                verify_grant(grant, expect)
+                manifest = grant.full_manifest()
             timings.verify_ms = (time.perf_counter() - start) * 1e3
             start = time.perf_counter()
             arena = open_arena(grant.arenas[0])
             timings.open_ms = (time.perf_counter() - start) * 1e3
             start = time.perf_counter()
-            assert arena.base is not None
-            tensors, storages = _rebuild(manifest, arena.base)
+            with typed_failures(Reason.rebuild_failed):
+                assert arena.base is not None
+                tensors, storages = _rebuild(manifest, arena.base)
             timings.rebuild_ms = (time.perf_counter() - start) * 1e3
             if expect.verify_checksums:
                 start = time.perf_counter()
-                verify_checksums(manifest, storages)
+                with typed_failures(Reason.internal_error):
+                    verify_checksums(manifest, storages)
                 timings.checksum_ms = (time.perf_counter() - start) * 1e3
         except BaseException:
             if arena is None:  # the handles were never opened: give back torch's IPC count

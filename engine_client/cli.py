@@ -19,6 +19,10 @@ if TYPE_CHECKING:  # imported when the command runs: `weight-cache --help` needs
     from service.schemas.layout import LayerLayout
 
 
+# service.checkpoint.IdentityTier, spelled out so that --help imports no torch (a test compares).
+IDENTITY_TIERS = ("files", "sampled", "hf_blob", "full")
+
+
 def run_layers(
     layers: list[LayerLayout],
     tensors: dict[str, torch.Tensor],
@@ -66,6 +70,13 @@ def _pick_model(client: DaemonClient) -> str:
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     help="This engine's copy of the checkpoint (default: the daemon's path).",
 )
+@click.option(
+    "--identity",
+    type=click.Choice(IDENTITY_TIERS),
+    default="sampled",
+    show_default=True,
+    help="How to check the checkpoint is the daemon's (full: hash every byte).",
+)
 @click.option("--check", is_flag=True, help="Compare every layer with an ordinary disk load.")
 @click.option("--verify-checksums", is_flag=True, help="Hash every mapped byte against the lease.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -78,6 +89,7 @@ def attach_command(
     tp_size: int,
     device: str,
     checkpoint: Path | None,
+    identity: str,
     check: bool,
     verify_checksums: bool,
     as_json: bool,
@@ -87,8 +99,10 @@ def attach_command(
 
     from engine_client.attach import attach
     from engine_client.client import DaemonClient
+    from engine_client.fallback import reason_of
     from engine_client.loading import load_from_disk
     from engine_client.verify import Expectations
+    from service.checkpoint import IdentityTier
     from service.errors import WeightCacheError
 
     config = client_config(url, uds, token_file)
@@ -100,7 +114,12 @@ def attach_command(
             model_id = model_id or _pick_model(client)
             path = checkpoint or Path(client.model(model_id).path)
         expect = Expectations.for_checkpoint(
-            path, dev, tp_rank=tp_rank, tp_size=tp_size, verify_checksums=verify_checksums
+            path,
+            dev,
+            IdentityTier(identity),
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            verify_checksums=verify_checksums,
         )
         with attach(model_id, expect, config=config, keep_alive=False) as att:
             outputs = run_layers(att.layers, att.tensors, dev)
@@ -127,7 +146,9 @@ def attach_command(
                     torch.equal(outputs[name], expected[name]) for name in expected
                 )
     except WeightCacheError as exc:
-        raise click.ClickException(exc.explain(cli=True)) from exc
+        raise click.ClickException(
+            f"{exc.explain(cli=True)} (reason: {reason_of(exc).value})"
+        ) from exc
     if as_json:
         click.echo(json.dumps(report))
         return

@@ -19,14 +19,16 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from service.errors import (
+    BadResponseError,
     DaemonUnavailableError,
     VerificationError,
     WeightCacheError,
     error_from_problem,
 )
+from service.reasons import Reason
 from service.schemas.health import Health, Readiness
 from service.schemas.inventory import Inventory
 from service.schemas.layout import Kernel, WeightFormat
@@ -104,6 +106,32 @@ def _raise_for_problem(response: httpx.Response) -> None:
     raise error_from_problem(body or {"detail": response.text[:500]}, response.status_code)
 
 
+def _parse(model: type[T], content: bytes) -> T:
+    """The daemon's answer as ``model``; anything else is the daemon (or whatever answered in
+    its place) not speaking the API, raised typed."""
+    try:
+        return model.model_validate_json(content)
+    except ValidationError as exc:
+        raise BadResponseError(
+            f"the answer is not a valid {model.__name__}: {exc.errors()[0]['msg']}",
+            reason=Reason.bad_response,
+        ) from exc
+
+
+def _parse_list(model: type[T], content: bytes) -> list[T]:
+    try:
+        return TypeAdapter(list[model]).validate_json(content)  # type: ignore[valid-type]
+    except ValidationError as exc:
+        raise BadResponseError(
+            f"the answer is not a list of {model.__name__}: {exc.errors()[0]['msg']}",
+            reason=Reason.bad_response,
+        ) from exc
+
+
+# Errors of the transport (httpx.InvalidURL is not an HTTPError).
+_TRANSPORT_ERRORS = (httpx.HTTPError, httpx.InvalidURL)
+
+
 def _unavailable(config: ClientConfig, exc: Exception) -> DaemonUnavailableError:
     where = config.uds or config.url
     return DaemonUnavailableError(f"cannot reach the daemon at {where}: {exc}", url=where)
@@ -135,7 +163,7 @@ class LayoutCache:
             if named is None or named.layout_digest != grant.layout_digest:
                 raise VerificationError(
                     "the daemon left out a layout this client did not name",
-                    reason="manifest_invalid",
+                    reason=Reason.manifest_invalid,
                 )
             return grant.model_copy(update={"manifest": named})
         with self._lock:
@@ -179,7 +207,7 @@ class _LeaseCall:
         ).model_dump(mode="json", exclude_none=True)
 
     def grant(self, response: httpx.Response) -> LeaseGrant:
-        grant = LeaseGrant.model_validate_json(response.content)
+        grant = _parse(LeaseGrant, response.content)
         return LAYOUTS.complete(self.key, grant, self.named)
 
 
@@ -230,14 +258,14 @@ class DaemonClient:
                     raise _unavailable(self.config, exc) from exc
                 time.sleep(self.config.retry_backoff_s * (2**attempt))
                 continue
-            except httpx.HTTPError as exc:
+            except _TRANSPORT_ERRORS as exc:
                 raise _unavailable(self.config, exc) from exc
             _raise_for_problem(response)
             return response
         raise AssertionError("unreachable")
 
     def _get(self, path: str, model: type[T]) -> T:
-        return model.model_validate_json(self._request("GET", path, idempotent=True).content)
+        return _parse(model, self._request("GET", path, idempotent=True).content)
 
     def health(self) -> Health:
         return self._get("/health", Health)
@@ -246,18 +274,18 @@ class DaemonClient:
         """Readiness; a 503 answer (still loading, or failed) is a normal answer here."""
         try:
             response = self._http.get("/ready")
-        except httpx.HTTPError as exc:
+        except _TRANSPORT_ERRORS as exc:
             raise _unavailable(self.config, exc) from exc
         if response.status_code not in (200, 503):
             _raise_for_problem(response)
-        return Readiness.model_validate_json(response.content)
+        return _parse(Readiness, response.content)
 
     def inventory(self) -> Inventory:
         return self._get("/v1/inventory", Inventory)
 
     def models(self) -> list[ModelInfo]:
         response = self._request("GET", "/v1/models", idempotent=True)
-        return [ModelInfo.model_validate(m) for m in response.json()]
+        return _parse_list(ModelInfo, response.content)
 
     def model(self, model_id: str) -> ModelInfo:
         return self._get(f"/v1/models/{model_id}", ModelInfo)
@@ -277,12 +305,12 @@ class DaemonClient:
 
     def leases(self) -> list[LeaseInfo]:
         response = self._request("GET", "/v1/leases", idempotent=True)
-        return [LeaseInfo.model_validate(x) for x in response.json()]
+        return _parse_list(LeaseInfo, response.content)
 
     def renew(self, lease_id: str, ttl_s: float | None = None) -> LeaseInfo:
         body = {"ttl_s": ttl_s} if ttl_s is not None else None
         response = self._request("POST", f"/v1/leases/{lease_id}/renew", idempotent=True, json=body)
-        return LeaseInfo.model_validate_json(response.content)
+        return _parse(LeaseInfo, response.content)
 
     def release(self, lease_id: str) -> None:
         self._request("DELETE", f"/v1/leases/{lease_id}", idempotent=True)
@@ -329,7 +357,7 @@ class AsyncDaemonClient:
                     raise _unavailable(self.config, exc) from exc
                 await asyncio.sleep(self.config.retry_backoff_s * (2**attempt))
                 continue
-            except httpx.HTTPError as exc:
+            except _TRANSPORT_ERRORS as exc:
                 raise _unavailable(self.config, exc) from exc
             _raise_for_problem(response)
             return response
@@ -337,11 +365,11 @@ class AsyncDaemonClient:
 
     async def health(self) -> Health:
         response = await self._request("GET", "/health", idempotent=True)
-        return Health.model_validate_json(response.content)
+        return _parse(Health, response.content)
 
     async def inventory(self) -> Inventory:
         response = await self._request("GET", "/v1/inventory", idempotent=True)
-        return Inventory.model_validate_json(response.content)
+        return _parse(Inventory, response.content)
 
     async def lease(
         self,
@@ -363,7 +391,7 @@ class AsyncDaemonClient:
         response = await self._request(
             "POST", f"/v1/leases/{lease_id}/renew", idempotent=True, json=body
         )
-        return LeaseInfo.model_validate_json(response.content)
+        return _parse(LeaseInfo, response.content)
 
     async def release(self, lease_id: str) -> None:
         await self._request("DELETE", f"/v1/leases/{lease_id}", idempotent=True)

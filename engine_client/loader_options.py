@@ -3,6 +3,8 @@ apart from the loader so they can be checked without vLLM installed."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine_client.client import ClientConfig
@@ -22,6 +24,10 @@ class LoaderOptions(BaseModel):
     timeout: float = Field(default=10.0, gt=0)
     wait: float = Field(default=0.0, ge=0)
     verify_checksums: bool = False
+    identity: Literal["files", "sampled", "hf_blob", "full"] = Field(
+        default="sampled",
+        description="how the engine's checkpoint must match the daemon's (README: identity tiers)",
+    )
 
     def client_config(self) -> ClientConfig:
         return ClientConfig.from_env(

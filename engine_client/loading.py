@@ -2,64 +2,42 @@
 through the same processing code, never silently.
 
 With ``fallback=True`` any reason not to attach (no daemon, model unknown or failed, a
-verification failure, a layout the engine cannot take) is logged, counted and returned with the
-weights loaded from disk; with ``fallback=False`` it is raised.
+verification failure, an arena that cannot be opened, any exception at all on the way) is
+logged once, counted and returned, as a :class:`~service.reasons.Reason`, with the weights
+loaded from disk; with ``fallback=False`` it is raised as a typed error.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from engine_client.attach import Attachment, attach
 from engine_client.client import ClientConfig
+from engine_client.fallback import FALLBACKS, as_weight_cache_error, reason_of, record_fallback
 from engine_client.verify import Expectations
 from service.checkpoint import Checkpoint
-from service.errors import ModelLoadingError, VerificationError, WeightCacheError
+from service.errors import ModelLoadingError
 from service.processing import load_processed, plan_model
+from service.reasons import Reason
 from service.schemas.layout import LayerLayout
 
+__all__ = [
+    "FALLBACKS",
+    "LoadResult",
+    "attach_waiting",
+    "load_from_disk",
+    "load_weights",
+    "reason_of",
+    "record_fallback",
+]
+
 log = logging.getLogger(__name__)
-
-# Fallbacks by reason in this process (also exported to Prometheus where vLLM has it).
-FALLBACKS: collections.Counter[str] = collections.Counter()
-
-
-def _prometheus_counter() -> Any:
-    try:
-        from prometheus_client import Counter
-    except ImportError:
-        return None
-    try:
-        return Counter(
-            "weight_cache_engine_fallbacks", "Engine loads that fell back to disk", ["reason"]
-        )
-    except ValueError:  # already registered in this process
-        return None
-
-
-_PROM = _prometheus_counter()
-
-
-def fallback_reason(error: WeightCacheError) -> str:
-    """The stated reason: a verification's own reason code, else the error's code."""
-    return error.reason if isinstance(error, VerificationError) else error.code
-
-
-def record_fallback(error: WeightCacheError, action: str) -> str:
-    """Log, count and return the reason an engine is not attaching."""
-    reason = fallback_reason(error)
-    FALLBACKS[reason] += 1
-    if _PROM is not None:
-        _PROM.labels(reason=reason).inc()
-    log.warning("weight-cache: %s (%s): %s", action, reason, error.detail)
-    return reason
 
 
 @dataclass
@@ -67,7 +45,7 @@ class LoadResult:
     tensors: dict[str, torch.Tensor]
     layers: list[LayerLayout]
     source: Literal["daemon", "disk"]
-    reason: str | None  # why it did not attach (None when it did)
+    reason: Reason | None  # why it did not attach (None when it did)
     seconds: float
     attachment: Attachment | None = None
 
@@ -112,10 +90,13 @@ def load_weights(
     start = time.perf_counter()
     try:
         attachment = attach_waiting(model, expect, config, wait_s)
-    except WeightCacheError as exc:
+    except Exception as exc:
+        error = as_weight_cache_error(exc)
         if not fallback:
-            raise
-        reason = record_fallback(exc, f"loading {checkpoint} from disk instead of attaching")
+            if error is exc:
+                raise
+            raise error from exc
+        reason = record_fallback(error, f"loading {checkpoint} from disk instead of attaching")
         tensors, layers = load_from_disk(checkpoint, expect.device, expect.tp_rank, expect.tp_size)
         return LoadResult(tensors, layers, "disk", reason, time.perf_counter() - start)
     return LoadResult(

@@ -6,43 +6,25 @@ failed, so a fallback can state exactly why the engine loaded from disk instead.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from service.checkpoint import Checkpoint
+from service.checkpoint import DEFAULT_TIER, Checkpoint, Fingerprint, IdentityTier
+from service.checkpoint.fingerprint import checkpoint_fingerprint
 from service.checkpoint.quant_config import QuantConfig
 from service.errors import VerificationError
 from service.memory.checksum import storage_checksum
 from service.memory.devices import Placement
+from service.reasons import Reason
 from service.schemas.layout import Kernel, Scheme, WeightFormat
 from service.schemas.leases import LeaseGrant
-from service.schemas.manifest import DeviceKind, Manifest
+from service.schemas.manifest import DeviceKind, Manifest, ShmHandle
 from service.version import PROTOCOL_VERSION
 
-
-class Reason(str, enum.Enum):
-    protocol_version = "protocol_version"
-    device_mismatch = "device_mismatch"
-    capability_mismatch = "capability_mismatch"
-    kernel_mismatch = "kernel_mismatch"
-    format_mismatch = "format_mismatch"
-    quant_algo_mismatch = "quant_algo_mismatch"
-    scheme_mismatch = "scheme_mismatch"
-    unsupported_layer = "unsupported_layer"
-    fingerprint_mismatch = "fingerprint_mismatch"
-    tp_mismatch = "tp_mismatch"
-    manifest_invalid = "manifest_invalid"
-    checksum_mismatch = "checksum_mismatch"
-    pipeline_parallel = "pipeline_parallel"  # vLLM engines with PP > 1 are not served
-    not_local_checkpoint = "not_local_checkpoint"  # the engine's model is no local directory
-    layout_mismatch = "layout_mismatch"  # vLLM built a parameter the lease does not match
-    unsupported_module = "unsupported_module"  # vLLM built a tensor neither side provides
-    bind_failed = "bind_failed"  # vLLM refused the bound model (an unexpected error)
-    leased_read_only = "leased_read_only"  # an in-place reload of shared, leased weights
+__all__ = ["Expectations", "Reason", "verify_checksums", "verify_grant"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +36,7 @@ class Expectations:
     tp_size: int = 1
     kernel: str = Kernel.cutlass.value
     format: str = WeightFormat.default.value
-    fingerprint: str | None = None  # of the engine's own copy of the checkpoint
+    fingerprint: Fingerprint | None = None  # the engine's own copy, at the tier it chose
     quant: QuantConfig | None = None  # the engine's reading of its quantization config
     verify_checksums: bool = False
     # Layers the engine cannot take pre-processed: names it will refuse rather than reprocess.
@@ -63,15 +45,47 @@ class Expectations:
     )
 
     @classmethod
-    def for_checkpoint(cls, path: Path, device: torch.device, **kw: Any) -> Expectations:
-        """What an engine loading ``path`` expects: its fingerprint and quantization config,
-        from one read of its configs and safetensors headers."""
+    def for_checkpoint(
+        cls,
+        path: Path,
+        device: torch.device,
+        tier: IdentityTier = DEFAULT_TIER,
+        **kw: Any,
+    ) -> Expectations:
+        """What an engine loading ``path`` expects: its quantization config and its identity at
+        ``tier`` (``full`` reads every byte; the others cost milliseconds at most)."""
         with Checkpoint.open(path) as ckpt:
-            return cls(device, fingerprint=ckpt.fingerprint, quant=ckpt.quant, **kw)
+            if tier is IdentityTier.sampled:
+                fingerprint = Fingerprint(tier, ckpt.fingerprint)
+            else:
+                fingerprint = checkpoint_fingerprint(path, tier)
+            return cls(device, fingerprint=fingerprint, quant=ckpt.quant, **kw)
 
 
 def _fail(reason: Reason, detail: str, **extra: object) -> VerificationError:
-    return VerificationError(detail, reason=reason.value, **extra)
+    return VerificationError(detail, reason=reason, **extra)
+
+
+def _check_identity(manifest: Manifest, mine: Fingerprint) -> None:
+    tier = mine.tier.value
+    leased = manifest.checkpoint.digests.of(tier)
+    if mine.digest is None or leased is None:
+        whose = "this engine's" if mine.digest is None else "the daemon's"
+        raise _fail(
+            Reason.fingerprint_mismatch,
+            f"cannot compare checkpoints by {tier}: {whose} copy has no {tier} digest"
+            + (" (not in a Hugging Face cache)" if mine.tier is IdentityTier.hf_blob else ""),
+            tier=tier,
+        )
+    if leased != mine.digest:
+        raise _fail(
+            Reason.fingerprint_mismatch,
+            f"lease is of checkpoint {leased} ({manifest.checkpoint.path}), the engine's is "
+            f"{mine.digest} (tier {tier})",
+            tier=tier,
+            engine=mine.digest,
+            leased=leased,
+        )
 
 
 def _check_device(manifest: Manifest, device: torch.device) -> None:
@@ -138,7 +152,9 @@ def _check_layers(manifest: Manifest, expect: Expectations) -> None:
 
 def verify_grant(grant: LeaseGrant, expect: Expectations) -> None:
     """Everything that can be checked before the arena is opened."""
-    manifest = grant.full_manifest()
+    if grant.manifest is None:
+        raise _fail(Reason.manifest_invalid, "the grant carries no manifest")
+    manifest = grant.manifest
     if manifest.daemon.protocol_version != PROTOCOL_VERSION:
         raise _fail(
             Reason.protocol_version,
@@ -151,14 +167,8 @@ def verify_grant(grant: LeaseGrant, expect: Expectations) -> None:
             f"lease is rank {manifest.tp_rank}/{manifest.tp_size}, engine is "
             f"{expect.tp_rank}/{expect.tp_size}",
         )
-    if expect.fingerprint is not None and expect.fingerprint != manifest.checkpoint.fingerprint:
-        raise _fail(
-            Reason.fingerprint_mismatch,
-            f"lease is of checkpoint {manifest.checkpoint.fingerprint}, the engine's is "
-            f"{expect.fingerprint}",
-            engine=expect.fingerprint,
-            leased=manifest.checkpoint.fingerprint,
-        )
+    if expect.fingerprint is not None:
+        _check_identity(manifest, expect.fingerprint)
     _check_device(manifest, expect.device)
     if expect.quant is not None and manifest.checkpoint.quant_algo != expect.quant.quant_algo:
         raise _fail(
@@ -169,6 +179,10 @@ def verify_grant(grant: LeaseGrant, expect: Expectations) -> None:
     if [a.index for a in grant.arenas] != [0]:
         raise _fail(Reason.manifest_invalid, "a rank's tensors are served from one arena")
     size = grant.arenas[0].nbytes
+    handle = grant.arenas[0].handle
+    mapped = handle.size if isinstance(handle, ShmHandle) else handle.tensor_size
+    if mapped != size:
+        raise _fail(Reason.manifest_invalid, f"the arena handle maps {mapped} bytes, not {size}")
     for t in manifest.tensors:
         if t.arena != 0 or t.offset < 0 or t.offset + t.nbytes > size:
             raise _fail(Reason.manifest_invalid, f"{t.name} lies outside its arena", tensor=t.name)

@@ -24,8 +24,10 @@ logged and counted; ``fallback: false`` raises it, typed, instead.
 
 Options (``--model-loader-extra-config``): ``url``, ``uds``, ``token``, ``token_file``,
 ``model`` (the daemon's model id; default: the ready model whose fingerprint matches),
-``fallback`` (default true), ``timeout`` (seconds, default 10), ``wait`` (seconds to wait for a
-daemon still loading the model, default 0), ``verify_checksums`` (default false).
+``fallback`` (default true), ``identity`` (how the checkpoints must match: ``files``,
+``sampled`` (default), ``hf_blob`` or ``full``), ``timeout`` (seconds, default 10), ``wait``
+(seconds to wait for a daemon still loading the model, default 0), ``verify_checksums``
+(default false).
 """
 
 from __future__ import annotations
@@ -58,15 +60,17 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from engine_client.attach import Attachment
 from engine_client.client import ClientConfig, DaemonClient
+from engine_client.fallback import as_weight_cache_error, record_fallback
 from engine_client.loader_options import LoaderOptions
-from engine_client.loading import attach_waiting, record_fallback
-from engine_client.verify import Expectations, Reason
-from service.checkpoint import checkpoint_fingerprint
+from engine_client.loading import attach_waiting
+from engine_client.verify import Expectations
+from service.checkpoint import Fingerprint, IdentityTier, checkpoint_fingerprint
 from service.errors import (
     ModelNotFoundError,
     VerificationError,
     WeightCacheError,
 )
+from service.reasons import Reason
 from service.schemas.layout import CarriedKind, CarriedLayout, Kernel, LayerLayout, Scheme
 from service.schemas.models import ModelState
 
@@ -95,16 +99,6 @@ def require_cutlass(model: nn.Module) -> None:
             "daemon processed for cutlass",
             reason=Reason.kernel_mismatch.value,
         )
-
-
-def as_typed_failure(exc: Exception) -> WeightCacheError:
-    """Any failure between asking for a lease and a bound model, as one typed error."""
-    if isinstance(exc, WeightCacheError):
-        return exc
-    return VerificationError(
-        f"binding the lease to vLLM's model failed: {type(exc).__name__}: {exc}",
-        reason=Reason.bind_failed.value,
-    )
 
 
 class _AlreadyProcessed:
@@ -396,7 +390,7 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
             raise VerificationError(
                 "this model's weights are leased from the weight-cache daemon and shared; "
                 "reload it with vLLM's default load format instead",
-                reason=Reason.leased_read_only.value,
+                reason=Reason.leased_read_only,
             )
         self._default().load_weights(model, model_config)
 
@@ -418,7 +412,7 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
         return rank_bytes
 
     def _daemon_model(
-        self, model_config: Any, config: ClientConfig, fingerprint: str | None = None
+        self, model_config: Any, config: ClientConfig, fingerprint: Fingerprint | None = None
     ) -> tuple[str, int]:
         """The daemon's model for this engine: the one named in the options, else the ready
         (or loading) one of this checkpoint at this TP size; and its bytes per rank."""
@@ -428,11 +422,13 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
         if self.options.model:
             chosen = [m for m in models if m.id == self.options.model]
         else:
-            fingerprint = fingerprint or checkpoint_fingerprint(Path(model_config.model))
+            fingerprint = fingerprint or checkpoint_fingerprint(
+                Path(model_config.model), IdentityTier(self.options.identity)
+            )
             chosen = [
                 m
                 for m in models
-                if m.fingerprint == fingerprint
+                if fingerprint.matches(m.digests)
                 and m.state in (ModelState.ready, ModelState.loading)
                 and m.tp_size == tp_size
             ]
@@ -448,7 +444,7 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
             with _forget_build_on_error(vllm_config):
                 model = self._attach_model(vllm_config, model_config, prefix)
         except Exception as exc:
-            error = as_typed_failure(exc)
+            error = as_weight_cache_error(exc)
             if not self.options.fallback:
                 if error is exc:
                     raise
@@ -484,6 +480,7 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
         return Expectations.for_checkpoint(
             checkpoint,
             device,
+            IdentityTier(self.options.identity),
             tp_rank=get_tensor_model_parallel_rank(),
             tp_size=get_tensor_model_parallel_world_size(),
             verify_checksums=self.options.verify_checksums,
@@ -512,8 +509,10 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
                 post_process(model, model_config, device)
                 require_materialized(model)
                 steps.done("post-process")
-            except BaseException:
+            except BaseException as exc:
                 attachment.close()
+                if isinstance(exc, Exception):
+                    raise as_weight_cache_error(exc, Reason.bind_failed) from exc
                 raise
         log.info("weight-cache: steps inside vLLM: %s", steps)
         self.attachment = attachment

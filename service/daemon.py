@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from service.errors import (
+    ArenaLostError,
     CheckpointNotFoundError,
     InsufficientMemoryError,
     InvalidRequestError,
@@ -248,6 +249,28 @@ class Daemon:
         if fatal and self.on_startup_failure is not None:
             self.on_startup_failure()
 
+    def _check_arenas(self, record: ModelRecord) -> None:
+        """Fail a ready model whose arena engines could no longer open (its shared-memory file
+        removed or replaced under the daemon), so that no grant names it. The model is not
+        rebuilt: an operator unloads and loads it again, or restarts the daemon. Its memory is
+        given back; engines that mapped it keep their pages. Caller holds the lock."""
+        if record.state is not ModelState.ready:
+            return
+        for rank in record.ranks:
+            why = rank.arena.lost()
+            if why is None:
+                continue
+            record.error = ArenaLostError(
+                f"the arena of rank {rank.manifest.tp_rank} is gone ({why}); unload the model "
+                "and load it again",
+                tp_rank=rank.manifest.tp_rank,
+            )
+            record.state = ModelState.failed
+            record.reserved_bytes = 0
+            record.release()
+            log.error("%s failed: %s", record.id, record.error)
+            return
+
     def model(self, model_id: str) -> ModelRecord:
         with self.lock:
             record = self.models.get(model_id)
@@ -257,10 +280,13 @@ class Daemon:
 
     def model_info(self, record: ModelRecord) -> ModelInfo:
         with self.lock:
+            self._check_arenas(record)
             return record.info(self.leases.count(record.id))
 
     def list_models(self) -> list[ModelInfo]:
         with self.lock:
+            for record in self.models.values():
+                self._check_arenas(record)
             return [r.info(self.leases.count(r.id)) for r in self.models.values()]
 
     def unload(self, model_id: str) -> None:
@@ -290,6 +316,7 @@ class Daemon:
     def grant(self, req: LeaseRequest) -> Grant:
         with self.lock:
             record = self.model(req.model)
+            self._check_arenas(record)
             if record.state is ModelState.loading:
                 raise ModelLoadingError(
                     f"model {req.model!r} is still loading",
@@ -393,9 +420,14 @@ class Daemon:
 
     def readiness(self) -> Readiness:
         """Ready once every startup model still asked for is ready; with ``keep_going``, once
-        each is ready or failed (the failed ones are listed, and engines fall back)."""
+        each is ready or failed (the failed ones are listed, and engines fall back). A model
+        whose arena was lost counts too, whether or not it was asked for at start."""
         with self.lock:
-            records = [self.models[m] for m in self.startup_models if m in self.models]
+            for held in self.models.values():
+                self._check_arenas(held)
+            lost = [m for m, r in self.models.items() if isinstance(r.error, ArenaLostError)]
+            wanted = [*self.startup_models, *(m for m in lost if m not in self.startup_models)]
+            records = [self.models[m] for m in wanted if m in self.models]
             states = {r.id: r.state for r in records}
             failed = {
                 r.id: str(r.error) if r.error else "failed"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from service.reasons import Reason
+
 _REGISTRY: dict[str, type[WeightCacheError]] = {}
 
 
@@ -254,15 +256,58 @@ class DaemonRestartedError(WeightCacheError):
 
 class VerificationError(WeightCacheError):
     """The lease does not describe what this engine would have built; ``reason`` says which
-    check failed (see ``engine_client.verify.Reason``)."""
+    check failed (a :class:`~service.reasons.Reason`)."""
 
     code = "verification_failed"
     status = 409
     title = "Lease failed verification"
 
     @property
-    def reason(self) -> str:
-        return str(self.extra.get("reason", "unknown"))
+    def reason(self) -> Reason:
+        return Reason.parse(self.extra.get("reason"), Reason.manifest_invalid)
+
+
+# --- Engine side: using a lease, and the daemon losing what it lends --------------------------
+
+
+class AttachError(WeightCacheError):
+    """Attaching failed after the daemon answered (its answer, the arena, the views, binding);
+    ``reason`` (a :class:`~service.reasons.Reason`) says at which step. Raised on the engine
+    side only, where the foreign exception arose."""
+
+    code = "attach_failed"
+    status = 500
+    title = "Attaching to the leased weights failed"
+
+    @property
+    def reason(self) -> Reason:
+        return Reason.parse(self.extra.get("reason", self.code), Reason.internal_error)
+
+
+class BadResponseError(AttachError):
+    code = "bad_response"
+    status = 502
+    title = "The daemon's answer is not the API's JSON"
+
+
+class ArenaUnavailableError(AttachError):
+    code = "arena_unavailable"
+    status = 503
+    title = "The leased arena cannot be opened"
+
+
+class IpcOpenError(ArenaUnavailableError):
+    code = "ipc_open_failed"
+    title = "CUDA refused the leased IPC handle"
+
+
+class ArenaLostError(WeightCacheError):
+    """A model's shared-memory arena file was removed or replaced under the daemon: the model
+    is failed with this error, and no lease names the file again."""
+
+    code = "arena_lost"
+    status = 409
+    title = "The model's arena file was removed or replaced"
 
 
 # --- Added later (kept at the end) -------------------------------------------------------------
@@ -316,6 +361,13 @@ HINTS: dict[str, str] = {
     "internal_error": "report it with the daemon's log, which holds the traceback",
     "daemon_unavailable": "start the daemon, or point the loader's `url` / `uds` at it",
     "verification_failed": "the engine falls back to an ordinary load; `reason` says why",
+    "attach_failed": "the engine falls back to an ordinary load; `reason` says at which step",
+    "bad_response": "check that the loader's `url` / `uds` points at the weight-cache daemon",
+    "arena_unavailable": "run the engine in the daemon's IPC namespace and /dev/shm (compose: "
+    "`ipc: service:daemon`); the engine falls back meanwhile",
+    "ipc_open_failed": "run the engine on the daemon's GPU, in its PID and IPC namespaces",
+    "arena_lost": "unload the model (DELETE /v1/models/{id}) and load it again; keep /dev/shm "
+    "cleaners away from the daemon's files",
 }
 
 # The same advice for a user of the ``weight-cache`` command, where it differs.

@@ -2,7 +2,12 @@
 
 from service.checkpoint.architecture import LinearSpec, ModelDims, Parallelism, ShardSpec
 from service.checkpoint.checkpoint import Checkpoint
-from service.checkpoint.fingerprint import checkpoint_fingerprint
+from service.checkpoint.fingerprint import (
+    DEFAULT_TIER,
+    Fingerprint,
+    IdentityTier,
+    checkpoint_fingerprint,
+)
 from service.checkpoint.quant_config import (
     FP8,
     FP8_PER_CHANNEL_PER_TOKEN,
@@ -11,10 +16,13 @@ from service.checkpoint.quant_config import (
 )
 
 __all__ = [
+    "DEFAULT_TIER",
     "FP8",
     "FP8_PER_CHANNEL_PER_TOKEN",
     "SUPPORTED_QUANT_ALGOS",
     "Checkpoint",
+    "Fingerprint",
+    "IdentityTier",
     "LinearSpec",
     "ModelDims",
     "Parallelism",

@@ -7,7 +7,9 @@ by the processing plan (``service.processing.plan``) before any memory is alloca
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from typing import Any
 import torch
 
 from service.checkpoint.architecture import ModelDims, read_dims
-from service.checkpoint.fingerprint import checkpoint_fingerprint
+from service.checkpoint.fingerprint import checkpoint_digests, full_digest, identity_files
 from service.checkpoint.quant_config import MODEL_CONFIG, QuantConfig, read_quant_config
 from service.checkpoint.safetensors_files import (
     TensorInfo,
@@ -25,6 +27,7 @@ from service.checkpoint.safetensors_files import (
     weight_files,
 )
 from service.errors import CheckpointNotFoundError, InvalidConfigError
+from service.schemas.manifest import CheckpointDigests
 
 
 @dataclass
@@ -36,9 +39,9 @@ class Checkpoint:
     dims: ModelDims
     quant: QuantConfig
     tensors: dict[str, TensorInfo]
-    fingerprint: str
     files: list[Path]
     _reader: TensorReader = field(repr=False)
+    _headers: dict[str, bytes] = field(repr=False)
 
     @classmethod
     def open(cls, path: str | Path) -> Checkpoint:
@@ -68,10 +71,24 @@ class Checkpoint:
             dims=dims,
             quant=quant,
             tensors=tensors,
-            fingerprint=checkpoint_fingerprint(directory, headers),
             files=files,
             _reader=TensorReader(tensors),
+            _headers=headers,
         )
+
+    @functools.cached_property
+    def digests(self) -> CheckpointDigests:
+        """Every identity tier but ``full`` (see :meth:`full_digest`), computed on first use."""
+        return checkpoint_digests(self.path, self.files, self._headers)
+
+    @property
+    def fingerprint(self) -> str:
+        """The default (sampled) identity tier's digest."""
+        return self.digests.sampled
+
+    def full_digest(self, between: Callable[[], None] | None = None) -> str:
+        """The ``full`` identity tier: a hash of every byte the checkpoint is read from."""
+        return full_digest(identity_files(self.path, self.files), between)
 
     def read(
         self,

@@ -9,6 +9,7 @@ is a 256-byte-aligned view into it.
 from __future__ import annotations
 
 import abc
+import os
 from pathlib import Path
 
 import torch
@@ -55,6 +56,11 @@ class Arena(abc.ABC):
     def release(self) -> None:
         """Give the memory back (engines holding a mapping keep theirs)."""
 
+    def lost(self) -> str | None:
+        """Why engines could no longer open this arena, or None while they can (checked before
+        every grant, so that no lease names memory that is gone)."""
+        return None
+
 
 class ShmArena(Arena):
     def __init__(
@@ -63,6 +69,10 @@ class ShmArena(Arena):
         super().__init__(layout, device)
         self._boot_id = boot_id
         self._file: ShmFile | None = ShmFile(directory, boot_id, label, layout.nbytes)
+        st = os.stat(self._file.path)
+        # The file this arena holds open, by identity: a path that names another (or no) file
+        # later means the arena was removed or replaced under the daemon.
+        self._identity = (st.st_dev, st.st_ino)
 
     @property
     def base(self) -> torch.Tensor:
@@ -81,6 +91,22 @@ class ShmArena(Arena):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+    def lost(self) -> str | None:
+        """A ``stat`` of the path against the file held open: removed, replaced or resized."""
+        if self._file is None:
+            return "released"
+        try:
+            st = os.stat(self._file.path)
+        except FileNotFoundError:
+            return f"{self._file.path} was removed"
+        except OSError as exc:
+            return f"{self._file.path} cannot be read: {exc.strerror}"
+        if (st.st_dev, st.st_ino) != self._identity:
+            return f"{self._file.path} was replaced by another file"
+        if st.st_size != self.nbytes:
+            return f"{self._file.path} was resized to {st.st_size} bytes, not {self.nbytes}"
+        return None
 
 
 class CudaArena(Arena):

@@ -75,7 +75,8 @@ class LoadRequest:
     daemon: DaemonIdentity
     # Claims bytes of the daemon's memory budget for this load; raises if they do not fit.
     reserve: Callable[[int], None]
-    # Told what the checkpoint is as soon as it opened (engines match models by fingerprint).
+    # Told what the checkpoint is as soon as it opened (engines match models by fingerprint),
+    # and again with the full-tier digest once every byte was read.
     opened: Callable[[CheckpointIdentity], None]
 
 
@@ -173,6 +174,7 @@ def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
     identity = CheckpointIdentity(
         path=str(ckpt.path),
         fingerprint=ckpt.fingerprint,
+        digests=ckpt.digests,
         architecture=ckpt.dims.architecture,
         quant_algo=ckpt.quant.quant_algo,
         kv_cache_quant_algo=ckpt.quant.kv_cache_quant_algo,
@@ -184,8 +186,13 @@ def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
         progress.bytes_total = sum(plan.total_bytes for plan in plans)
         progress.tensors_total = sum(len(plan.specs) for plan in plans)
         _check_budget(req, sum(layout.nbytes for layout in layouts))
-        ranks = []
+        processed: list[tuple[ModelPlan, Arena, dict[str, str]]] = []
         last_log = time.monotonic()
+
+        def stop() -> None:
+            if progress.cancelled.is_set():
+                raise LoadCancelled(f"model {req.model_id} was unloaded while loading")
+
         for plan, layout, placement in zip(plans, layouts, req.placements, strict=True):
             label = f"{req.model_id}-r{plan.tp_rank}"
             arena = allocate_arena(layout, placement, req.shm_dir, req.daemon.boot_id, label)
@@ -197,8 +204,7 @@ def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
                 writer.flush()
                 progress.bytes_done += nbytes
                 progress.tensors_done += ntensors
-                if progress.cancelled.is_set():
-                    raise LoadCancelled(f"model {req.model_id} was unloaded while loading")
+                stop()
                 if time.monotonic() - last_log > 2.0:
                     last_log = time.monotonic()
                     log.info(
@@ -214,10 +220,16 @@ def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
             execute_plan(ckpt, plan, writer.storage_for, advance)
             if placement.kind is DeviceKind.cuda:
                 torch.cuda.synchronize(placement.index)
-            ranks.append(
-                ResidentRank(arena, _manifest(req, identity, plan, arena, writer.checksums))
-            )
-        return ranks
+            processed.append((plan, arena, writer.checksums))
+        # The full identity tier, while the files are still in the page cache from processing.
+        identity = identity.model_copy(
+            update={"digests": ckpt.digests.model_copy(update={"full": ckpt.full_digest(stop)})}
+        )
+        req.opened(identity)
+        return [
+            ResidentRank(arena, _manifest(req, identity, plan, arena, checksums))
+            for plan, arena, checksums in processed
+        ]
     except BaseException:
         for arena in arenas:
             arena.release()

@@ -65,6 +65,7 @@ class ModelRecord:
             architecture=self.checkpoint.architecture if self.checkpoint else None,
             quant_algo=self.checkpoint.quant_algo if self.checkpoint else None,
             fingerprint=self.checkpoint.fingerprint if self.checkpoint else None,
+            digests=self.checkpoint.digests if self.checkpoint else None,
             bytes_resident=self.bytes_resident,
             tensors=len(first.tensors) if first else 0,
             layers=len(first.layers) if first else 0,

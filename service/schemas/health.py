@@ -18,7 +18,8 @@ class Health(BaseModel):
 class Readiness(BaseModel):
     ready: bool
     models: dict[str, ModelState] = Field(
-        description="every model asked for at start and not unloaded since"
+        description="every model asked for at start and not unloaded since, and any whose "
+        "arena was lost"
     )
     waiting: list[str] = Field(description="still loading")
     failed: dict[str, str] = Field(

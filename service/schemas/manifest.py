@@ -37,11 +37,38 @@ class DeviceIdentity(BaseModel):
     index: int | None = Field(description="the daemon's own CUDA index; engines map by uuid")
 
 
+class CheckpointDigests(BaseModel):
+    """The checkpoint's identity at every tier (``service.checkpoint.fingerprint``); an engine
+    compares the one tier it chose against its own copy."""
+
+    model_config = _FROZEN
+
+    files: str = Field(
+        description="sha256 over name, device, inode, size and mtime_ns of every file loaded"
+    )
+    sampled: str = Field(
+        description="sha256 over configs, sizes, safetensors headers and a few KiB of every "
+        "tensor's data at fixed positions (the default tier)"
+    )
+    hf_blob: str | None = Field(
+        description="sha256 over the Hugging Face blob ids; null outside a Hugging Face cache"
+    )
+    full: str | None = Field(
+        description="xxh3-128 over every byte; null until the load has read them all"
+    )
+
+    def of(self, tier: str) -> str | None:
+        """The digest of ``tier`` (a tier name)."""
+        value: str | None = getattr(self, tier)
+        return value
+
+
 class CheckpointIdentity(BaseModel):
     model_config = _FROZEN
 
     path: str
-    fingerprint: str = Field(description="sha256 of config.json, hf_quant_config.json and headers")
+    fingerprint: str = Field(description="the sampled-tier digest (digests.sampled)")
+    digests: CheckpointDigests
     architecture: str
     quant_algo: str
     kv_cache_quant_algo: str | None

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.schemas.manifest import CheckpointDigests
+
 MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 
@@ -56,7 +58,12 @@ class ModelInfo(BaseModel):
     error: ModelError | None = None
     architecture: str | None = None
     quant_algo: str | None = None
-    fingerprint: str | None = None
+    fingerprint: str | None = Field(
+        default=None, description="the checkpoint's sampled-tier digest (digests.sampled)"
+    )
+    digests: CheckpointDigests | None = Field(
+        default=None, description="the checkpoint's identity at every tier, once it opened"
+    )
     bytes_resident: int = Field(description="arena bytes held, all ranks")
     tensors: int = Field(description="tensors per rank")
     layers: int = Field(description="linear layers per rank")

@@ -3,6 +3,9 @@
 ``read``: lease, map the arena through its shared-memory handle, print every tensor's checksum
 and dtype/shape/stride as JSON. ``write``: lease, map, and try to write into the arena (the
 process must die from the protection fault). ``hold``: lease and sleep (to be killed).
+``load CHECKPOINT [TIER]``: the engine's load policy (attach, else fall back to disk), printing
+where the weights came from and why. ``attach-hold CHECKPOINT``: attach, print the first
+weight's checksum, wait for a line on stdin, print it again.
 """
 
 from __future__ import annotations
@@ -15,6 +18,11 @@ from pathlib import Path
 import httpx
 import torch
 
+from engine_client.attach import attach
+from engine_client.client import ClientConfig
+from engine_client.loading import load_weights
+from engine_client.verify import Expectations
+from service.checkpoint import IdentityTier
 from service.dtypes import to_torch
 from service.memory.checksum import storage_checksum
 from service.memory.shm import map_read_only
@@ -29,8 +37,31 @@ def lease(url: str, model: str, ttl: float = 60.0) -> LeaseGrant:
     return LeaseGrant.model_validate_json(r.content)
 
 
+def engine_load(url: str, model: str, checkpoint: Path, tier: str) -> None:
+    expect = Expectations.for_checkpoint(checkpoint, torch.device("cpu"), IdentityTier(tier))
+    result = load_weights(model, checkpoint, expect, config=ClientConfig(url=url))
+    print(json.dumps({"source": result.source, "reason": result.reason}), flush=True)
+    if result.attachment is not None:
+        result.attachment.close()
+
+
+def attach_hold(url: str, model: str, checkpoint: Path) -> None:
+    expect = Expectations.for_checkpoint(checkpoint, torch.device("cpu"))
+    with attach(model, expect, config=ClientConfig(url=url)) as att:
+        first = att.layers[0].weight
+        print(json.dumps({"checksum": storage_checksum(att.storages[first])}), flush=True)
+        sys.stdin.readline()
+        print(json.dumps({"checksum": storage_checksum(att.storages[first])}), flush=True)
+
+
 def main() -> None:
     mode, url, model = sys.argv[1:4]
+    if mode == "load":
+        engine_load(url, model, Path(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else "sampled")
+        return
+    if mode == "attach-hold":
+        attach_hold(url, model, Path(sys.argv[4]))
+        return
     grant = lease(url, model)
     handle = grant.arenas[0].handle
     assert isinstance(handle, ShmHandle)

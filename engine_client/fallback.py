@@ -1,0 +1,94 @@
+"""Fallback is total: every failure between asking for a lease and a bound model becomes one
+typed :class:`~service.errors.WeightCacheError` with one :class:`~service.reasons.Reason`,
+which is logged once, counted, and then either falls back or is raised.
+
+Foreign exceptions are mapped where they arise (the HTTP client, opening the arena, rebuilding
+views); :func:`as_weight_cache_error` is the catch-all for whatever still escapes (vLLM binding,
+a bug), so an engine never dies on its way to an ordinary load.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from service.errors import (
+    AttachError,
+    CheckpointError,
+    LeaseNotFoundError,
+    VerificationError,
+    WeightCacheError,
+)
+from service.reasons import Reason
+
+log = logging.getLogger(__name__)
+
+# Fallbacks by reason in this process (also exported to Prometheus where the client is installed).
+FALLBACKS: collections.Counter[str] = collections.Counter()  # keys are Reason members
+PROMETHEUS_NAME = "weight_cache_engine_fallbacks"  # exposed as ..._total{reason}
+
+
+def _prometheus_counter() -> Any:
+    try:
+        from prometheus_client import REGISTRY, Counter
+    except ImportError:
+        return None
+    try:
+        return Counter(
+            PROMETHEUS_NAME, "Engine loads that fell back to disk, by reason", ["reason"]
+        )
+    except ValueError:  # registered already (this module imported twice under two names)
+        return REGISTRY._names_to_collectors.get(PROMETHEUS_NAME)
+
+
+_PROM = _prometheus_counter()
+
+
+def reason_of(error: WeightCacheError) -> Reason:
+    """The one reason an error stands for: the step's own reason for attach and verification
+    errors, else the daemon's error code where it names one, else ``daemon_error``."""
+    if isinstance(error, VerificationError | AttachError):
+        return error.reason
+    if isinstance(error, CheckpointError):  # the engine's own copy cannot be read
+        return Reason.checkpoint_unreadable
+    if isinstance(error, LeaseNotFoundError):
+        return Reason.lease_expired
+    if "remote_code" in error.extra:  # a code this engine does not know
+        return Reason.daemon_error
+    return Reason.parse(error.code, Reason.daemon_error)
+
+
+def as_weight_cache_error(exc: Exception, step: Reason = Reason.internal_error) -> WeightCacheError:
+    """Any exception raised while attaching or binding, as a typed error with a reason.
+
+    Typed errors pass through unchanged; anything else becomes an :class:`AttachError` whose
+    reason is ``step`` (``bind_failed`` while binding into vLLM, ``internal_error`` where the
+    step is unknown), keeping the original as its cause when raised ``from exc``.
+    """
+    if isinstance(exc, WeightCacheError):
+        return exc
+    return AttachError(f"{type(exc).__name__}: {exc}", reason=step, exception=type(exc).__name__)
+
+
+@contextlib.contextmanager
+def typed_failures(step: Reason) -> Iterator[None]:
+    """Inside the block, any untyped exception is raised as :func:`as_weight_cache_error`'s."""
+    try:
+        yield
+    except WeightCacheError:
+        raise
+    except Exception as exc:
+        raise as_weight_cache_error(exc, step) from exc
+
+
+def record_fallback(error: WeightCacheError, action: str) -> Reason:
+    """Log (once, here), count and return the reason an engine is not attaching."""
+    reason = reason_of(error)
+    FALLBACKS[reason] += 1
+    if _PROM is not None:
+        _PROM.labels(reason=reason.value).inc()
+    log.warning("weight-cache: %s (%s): %s", action, reason.value, error.detail)
+    return reason
