@@ -91,7 +91,10 @@ class CodeMap:
         if table.shape != (256,):
             raise ValueError("a code map has 256 entries")
         self.table = table
-        self.identity = bool((table == np.arange(256, dtype=np.uint8)).all())
+        # The NaN codes (0x7f, 0xff: refused before any map runs) aside, does it change nothing?
+        finite = np.ones(256, dtype=bool)
+        finite[[0x7F, 0xFF]] = False
+        self.identity = bool((table == np.arange(256, dtype=np.uint8))[finite].all())
         wide = table.astype(_PAIR)
         # pairs[hi * 256 + lo] = table[lo] | table[hi] << 8: the uint16 of two little-endian codes
         self.pairs = ((wide[:, None] << 8) | wide[None, :]).reshape(-1)
