@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ import torch
 from service.checkpoint import Checkpoint
 from service.errors import CorruptFileError
 from service.processing.fp8 import FP8_DTYPE, requantize_lut
-from service.processing.plan import CarriedPlan, LinearPlan, ModelPlan, TensorSpec
+from service.processing.plan import CarriedPlan, LinearPlan, ModelPlan, TensorSpec, plan_model
 from service.schemas.layout import Scheme
 
 _E4M3_NAN_BITS = 0x7F
@@ -237,3 +238,12 @@ def load_processed(
         name: specs[name].view(storage.to(device) if device.type != "cpu" else storage)
         for name, storage in storages.items()
     }
+
+
+def reference_storages(path: Path, tp: int, rank: int) -> tuple[ModelPlan, dict[str, torch.Tensor]]:
+    """Every processed storage of ``rank`` as the reference path makes it."""
+    with Checkpoint.open(path) as ckpt:
+        plan = plan_model(ckpt, tp, rank)
+        tensors = load_processed(ckpt, plan)
+    specs = {s.name: s for s in plan.specs}
+    return plan, {name: specs[name].storage_of(t) for name, t in tensors.items()}

@@ -139,11 +139,10 @@ class _Staging:
     """A loading thread's two pinned buffers and its stream for copies to one GPU: a chunk is
     prepared in one buffer while the other is on its way."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, nbytes: int) -> None:
         self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        self.buffers = [
-            torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)
-        ]
+        self.nbytes = nbytes
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         self.arrays: list[Bytes] = [b.numpy() for b in self.buffers]
         self.events: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
@@ -194,8 +193,10 @@ class _Worker(threading.local):
 
     def staging_for(self, device: torch.device) -> _Staging:
         staging = self.staging.get(device)
-        if staging is None:
-            staging = self.staging[device] = _Staging(device)
+        if staging is None or staging.nbytes < STAGE_BYTES:
+            if staging is not None:
+                staging.drain()
+            staging = self.staging[device] = _Staging(device, STAGE_BYTES)
         return staging
 
 
@@ -352,8 +353,9 @@ def _run_job(
                 else:
                     checksums[fill.spec.name] = _fill_small(fill, sink)
         finally:
-            if device is not None:  # the pinned buffers are reused: their copies must end
-                _worker.staging_for(device).drain()
+            staging = _worker.staging.get(device) if device is not None else None
+            if staging is not None:  # the pinned buffers are reused: their copies must end
+                staging.drain()
     return checksums
 
 

@@ -32,24 +32,15 @@ from service.processing.pool import shared_pool
 from service.processing.source import SourceFiles, read_into
 from service.registry.loader import LoadRequest, Progress, load_model
 from service.schemas.manifest import DaemonIdentity, DeviceKind
-from tests import reference_processing as reference
 from tests.checkpoint_tools import rewrite_tensors
 from tests.conftest import MODELOPT_EXPORTS
+from tests.reference_processing import reference_storages
 
 TP_RANKS = [(1, 0), (2, 0), (2, 1), (4, 0), (4, 3)]
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def reference_storages(path: Path, tp: int, rank: int) -> tuple[ModelPlan, dict[str, torch.Tensor]]:
-    """Every processed storage of ``rank`` as the reference path makes it."""
-    with Checkpoint.open(path) as ckpt:
-        plan = plan_model(ckpt, tp, rank)
-        tensors = reference.load_processed(ckpt, plan)
-    specs = {s.name: s for s in plan.specs}
-    return plan, {name: specs[name].storage_of(t) for name, t in tensors.items()}
 
 
 def assert_fast_matches_reference(path: Path, tp: int, rank: int) -> None:
