@@ -179,6 +179,12 @@ def _read_clean(
 
 def linear_job(ckpt: Checkpoint, plan: LinearPlan, scales: dict[str, torch.Tensor]) -> Job:
     """One linear layer: the fused, requantized, padded weight and its scales and bias."""
+    return Job(tuple(plan.specs), lambda: linear_fills(ckpt, plan, scales))
+
+
+def linear_fills(
+    ckpt: Checkpoint, plan: LinearPlan, scales: dict[str, torch.Tensor]
+) -> tuple[Fill, ...]:
     scheme = plan.layout.scheme
     maps: list[CodeMap | None] = [None] * len(plan.shards)
     fills: list[Fill] = []
@@ -219,7 +225,7 @@ def linear_job(ckpt: Checkpoint, plan: LinearPlan, scales: dict[str, torch.Tenso
     fills.insert(0, RowFill(plan.weight, rows, row_bytes, tuple(segments)))
     if plan.bias is not None:
         fills.append(_bias_fill(ckpt, plan, plan.bias))
-    return Job(tuple(fills))
+    return tuple(fills)
 
 
 def _bias_fill(ckpt: Checkpoint, plan: LinearPlan, spec: TensorSpec) -> RowFill:
@@ -255,7 +261,8 @@ def carried_job(ckpt: Checkpoint, plan: CarriedPlan) -> Job:
         first_row=0,
         cols=(0, row_bytes),
     )
-    return Job((RowFill(plan.spec, rows, row_bytes, (Segment(0, rows, source),)),))
+    fill = RowFill(plan.spec, rows, row_bytes, (Segment(0, rows, source),))
+    return Job((plan.spec,), lambda: (fill,))
 
 
 def plan_jobs(ckpt: Checkpoint, plan: ModelPlan) -> list[Job]:

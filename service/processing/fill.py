@@ -42,7 +42,7 @@ Bytes = npt.NDArray[np.uint8]
 Progress = Callable[[int, int], None]  # (bytes written, tensors written) since the last call
 
 HOST_CHUNK_BYTES = 1 << 20  # read, checked, requantized, hashed and written while in cache
-STAGE_BYTES = 16 << 20  # a pinned buffer for copies to a GPU (two per loading thread)
+STAGE_BYTES = 4 << 20  # a pinned buffer for copies to a GPU (two per loading thread)
 
 
 @dataclass(frozen=True)
@@ -108,13 +108,16 @@ Fill = RowFill | SmallFill
 
 @dataclass(frozen=True)
 class Job:
-    """The tensors of one layer (or one carried tensor): a unit of work and of progress."""
+    """The tensors of one layer (or one carried tensor): a unit of work and of progress. Its
+    fills are worked out by the loading thread that runs it (requantization maps cost a
+    fraction of a millisecond each: not a serial step before the load)."""
 
-    fills: tuple[Fill, ...]
+    specs: tuple[TensorSpec, ...]
+    fills: Callable[[], tuple[Fill, ...]]
 
     @property
     def nbytes(self) -> int:
-        return sum(f.spec.nbytes for f in self.fills)
+        return sum(spec.nbytes for spec in self.specs)
 
 
 def storage_rows(spec: TensorSpec) -> tuple[int, int]:
@@ -343,10 +346,10 @@ def _run_job(
     src: SourceFiles, job: Job, dests: dict[str, Destination], stop: threading.Event
 ) -> dict[str, str]:
     checksums = {}
-    device = _device_of(dests[job.fills[0].spec.name])
+    device = _device_of(dests[job.specs[0].name])
     with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
         try:
-            for fill in job.fills:
+            for fill in job.fills():
                 sink = _Sink(dests[fill.spec.name])
                 if isinstance(fill, RowFill):
                     checksums[fill.spec.name] = _fill_rows(src, fill, sink, stop)
@@ -388,7 +391,7 @@ def run_jobs(
                 job = running.pop(future)
                 checksums.update(future.result())
                 if progress:
-                    progress(job.nbytes, len(job.fills))
+                    progress(job.nbytes, len(job.specs))
     except BaseException:
         stop.set()
         wait(running)

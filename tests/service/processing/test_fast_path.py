@@ -146,7 +146,7 @@ def test_equal_shard_scales_are_copied_unchanged(tiny_fp8: Path, copy_of) -> Non
     with Checkpoint.open(path) as ckpt:
         plan = plan_model(ckpt)
         jobs = plan_jobs(ckpt, plan)
-    qkv = jobs[0].fills[0]
+    qkv = jobs[0].fills()[0]
     assert isinstance(qkv, fill_module.RowFill)
     assert [s.source.code_map for s in qkv.segments] == [None, None, None]
     assert_fast_matches_reference(path, 1, 0)
@@ -168,7 +168,7 @@ def test_unequal_scales_requantize_all_but_identity_maps(tiny_fp8: Path, copy_of
     )
     with Checkpoint.open(path) as ckpt:
         jobs = plan_jobs(ckpt, plan_model(ckpt))
-    qkv = jobs[0].fills[0]
+    qkv = jobs[0].fills()[0]
     assert isinstance(qkv, fill_module.RowFill)
     maps = [s.source.code_map for s in qkv.segments]
     assert maps[0] is not None and maps[1] is None and maps[2] is not None
@@ -265,8 +265,9 @@ def test_nan_in_a_requantized_shard_is_refused(tiny_fp8: Path, copy_of) -> None:
     rewrite_tensors(path, corrupt)
     with Checkpoint.open(path) as ckpt:
         jobs = plan_jobs(ckpt, plan_model(ckpt))
-        assert isinstance(jobs[0].fills[0], fill_module.RowFill)
-        assert jobs[0].fills[0].segments[2].source.code_map is not None
+        qkv = jobs[0].fills()[0]
+        assert isinstance(qkv, fill_module.RowFill)
+        assert qkv.segments[2].source.code_map is not None
         with pytest.raises(CorruptFileError) as err:
             load_processed(ckpt, plan_model(ckpt))
     assert err.value.extra["tensor"] == name
