@@ -225,32 +225,44 @@ def vllm_env(site: str | None) -> dict[str, str] | None:
 
 
 def vllm_load(path: Path, site: str | None, timeout_s: float, memory: float) -> dict[str, Any]:
+    """vLLM's own figure for its default loader, read from its log as it comes; the engine is
+    stopped once the line is there (the rest of its start-up is not a load)."""
     env = vllm_env(site)
     if env is None:
         return {"skipped": "vLLM is not importable here (give --vllm-site DIR holding vllm/)"}
     log("vLLM's default loader (fresh process, load_format='auto') ...")
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", VLLM_CODE, str(path), str(memory)],
-            check=False,
-            env=env,
-            capture_output=True,
-            timeout=timeout_s,
-        )
-        text, ended = _text(proc.stdout) + _text(proc.stderr), f"exit {proc.returncode}"
-    except subprocess.TimeoutExpired as exc:  # the line may have come before the hang
-        text, ended = _text(exc.stdout) + _text(exc.stderr), f"timed out after {timeout_s:.0f} s"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", VLLM_CODE, str(path), str(memory)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if VLLM_LINE.search("".join(lines[-50:])):
+            break
+        time.sleep(0.2)
+    timed_out = time.monotonic() >= deadline
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    reader.join(10)
+    text = "".join(lines)
     found = VLLM_LINE.findall(text)
     if not found:
+        ended = "timed out" if timed_out else f"exit {proc.returncode}"
         return {"error": f"no 'Model loading took' line ({ended})", "tail": text[-3000:]}
     gib, seconds = found[-1]
-    return {"seconds": float(seconds), "gib": float(gib), "ended": ended}
-
-
-def _text(data: bytes | str | None) -> str:
-    if isinstance(data, bytes):
-        return data.decode(errors="replace")
-    return data or ""
+    return {"seconds": float(seconds), "gib": float(gib)}
 
 
 # --- 4. two loads at once ------------------------------------------------------------------------
