@@ -15,11 +15,10 @@ Each step mirrors vLLM 0.33 (file:line in the vLLM 0.33.0 wheel):
   (``kernels/linear/scaled_mm/cutlass.py:205-233``).
 
 How it runs: the ``[N_pad, K_pad]`` storage of a fused weight is its shards' rows one after
-another, so every processed tensor is a list of row segments, each copied from a file with
-``preadv`` straight into its place (or through a pinned buffer on the way to a GPU), with zeros
-around. Each tensor is filled in chunks small enough to stay in cache while they are checked for
-NaN and infinity, requantized through a code table where needed, and hashed (the manifest's
-xxh3). Tensors are spread over the shared loading pool (:mod:`service.processing.pool`).
+another, so each layer becomes a list of row segments of checkpoint tensors (with the code map
+that requantizes each shard, where one is needed) and zeros around them; :mod:`.fill` carries
+them out on the shared loading pool. The in-memory ``process_linear`` does the same for shards
+already in tensors.
 """
 
 from __future__ import annotations
