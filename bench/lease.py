@@ -150,12 +150,13 @@ def main() -> None:
     parser.add_argument(
         "--load-shape", default="llama-8b", help="model loaded while /health is polled ('' to skip)"
     )
+    parser.add_argument("--load-scheme", default="fp8", choices=["fp8", "fp8-pc-pt"])
     parser.add_argument("--device", default="cpu", help="the daemon's --device")
     parser.add_argument("--only-load", action="store_true", help="skip the lease round trips")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     small = demo_checkpoint("qwen2.5-0.5b")
-    big = demo_checkpoint(args.load_shape) if args.load_shape else None
+    big = demo_checkpoint(args.load_shape, args.load_scheme) if args.load_shape else None
     work = CACHE / "lease-bench"
     work.mkdir(parents=True, exist_ok=True)
     roots = ["--allowed-root", str(CACHE)]
@@ -196,7 +197,8 @@ def main() -> None:
     h = results["health_during_load"]
     if h:
         print(
-            f"/health during a {args.load_shape} load ({h['load_s']:.1f} s, {h['samples']} "
+            f"/health during a {args.load_shape} {args.load_scheme} load ({h['load_s']:.1f} s, "
+            f"{h['samples']} "
             f"requests): p50 {h['p50_ms']:.2f} ms, p99 {h['p99_ms']:.2f} ms, max "
             f"{h['max_ms']:.2f} ms   target p99 < 10 ms"
         )
