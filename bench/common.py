@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,13 @@ def demo_checkpoint(shape: str, scheme: str = "fp8") -> Path:
         print(f"generating the {shape} {scheme} demo checkpoint in {path} ...", flush=True)
         write_demo_checkpoint(path, scheme, shape)
     return path
+
+
+def shm_scratch() -> Path:
+    """A private directory for arenas, in shared memory where there is /dev/shm (as the daemon's
+    default); the caller removes it."""
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return Path(tempfile.mkdtemp(prefix="weight-cache-bench-", dir=root))
 
 
 def warm_page_cache(path: Path) -> int:

@@ -1,21 +1,31 @@
-"""Checkpoint read + CUTLASS processing throughput against a plain safetensors load.
+"""Checkpoint read + CUTLASS processing throughput against a plain safetensors load, on the CPU.
 
-For the qwen2.5-0.5b demo shape, from the page cache, on the CPU: ``safetensors.torch.load_file``
-of every file with each tensor copied into memory the process owns (``load_file`` alone only maps
-the file; the copy is the read) versus ``Checkpoint.open`` + ``plan_model`` + ``load_processed``
-(read, validate, fuse, requantize, transpose, pad). Prints GB/s of checkpoint bytes for both and
-their ratio.
+For a demo shape (default qwen2.5-0.5b), from the page cache, all in one run:
+
+* ``safetensors.torch.load_file`` of every file with each tensor copied into memory the process
+  owns (``load_file`` alone only maps the file; the copy is the read);
+* the reference path (``tests/reference_processing.py``: the load path before the fast one,
+  kept for comparison) through ``load_processed``'s old code;
+* ``load_processed``: read, validate, fuse, requantize, transpose, pad into fresh tensors;
+* the daemon's ``load_model`` into a shared-memory arena (with checksums and manifest).
+
+Prints GB/s of checkpoint bytes and the ratio of each to ``load_file``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 
+import torch
 from safetensors.torch import load_file
 
-from bench.common import demo_checkpoint, median_seconds, warm_page_cache
+from bench.cold_load import daemon_load, release
+from bench.common import demo_checkpoint, median_seconds, shm_scratch, warm_page_cache
 from service.checkpoint import Checkpoint
 from service.processing import load_processed, plan_model
+from tests import reference_processing
 
 
 def main() -> None:
@@ -23,7 +33,12 @@ def main() -> None:
     parser.add_argument("--shape", default="qwen2.5-0.5b")
     parser.add_argument("--scheme", default="fp8", choices=["fp8", "fp8-pc-pt"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="loading threads (all cores)"
+    )
+    parser.add_argument("--skip-reference", action="store_true")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
     path = demo_checkpoint(args.shape, args.scheme)
     size = warm_page_cache(path)
@@ -34,17 +49,38 @@ def main() -> None:
             for tensor in load_file(str(f)).values():
                 tensor.clone()
 
+    def reference() -> None:
+        with Checkpoint.open(path) as ckpt:
+            reference_processing.load_processed(ckpt, plan_model(ckpt))
+
     def processed() -> None:
         with Checkpoint.open(path) as ckpt:
             load_processed(ckpt, plan_model(ckpt))
 
-    plain_s, _ = median_seconds(plain, args.repeats)
-    proc_s, _ = median_seconds(processed, args.repeats)
+    shm = shm_scratch()
+
+    def arena() -> None:
+        release(daemon_load(path, torch.device("cpu"), shm, "bench"))
+
+    try:
+        rows = [("safetensors load_file + copy", median_seconds(plain, args.repeats)[0])]
+        if not args.skip_reference:
+            rows.append(("reference path (before)", median_seconds(reference, args.repeats)[0]))
+        rows.append(("read + process (load_processed)", median_seconds(processed, args.repeats)[0]))
+        rows.append(("daemon load into a shm arena", median_seconds(arena, args.repeats)[0]))
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
     gb = size / 1e9
-    print(f"checkpoint: {args.shape} {args.scheme}, {gb:.3f} GB, median of {args.repeats}")
-    print(f"safetensors load_file        : {plain_s * 1e3:8.1f} ms  {gb / plain_s:6.2f} GB/s")
-    print(f"read + process for CUTLASS   : {proc_s * 1e3:8.1f} ms  {gb / proc_s:6.2f} GB/s")
-    print(f"ratio (processing / plain)   : {plain_s / proc_s:6.2f}x the throughput of load_file")
+    plain_s = rows[0][1]
+    print(
+        f"checkpoint: {args.shape} {args.scheme}, {gb:.3f} GB, {args.threads} loading threads, "
+        f"median of {args.repeats}"
+    )
+    for name, seconds in rows:
+        print(
+            f"{name:<34}: {seconds * 1e3:8.1f} ms  {gb / seconds:6.2f} GB/s  "
+            f"{plain_s / seconds:5.2f}x the throughput of load_file"
+        )
 
 
 if __name__ == "__main__":

@@ -76,9 +76,9 @@ def held_load(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
 
     gate = threading.Event()
 
-    def held(*args: Any, **kwargs: Any) -> None:
+    def held(*args: Any, **kwargs: Any) -> Any:
         gate.wait(30)
-        execute_plan(*args, **kwargs)
+        return execute_plan(*args, **kwargs)
 
     monkeypatch.setattr("service.registry.loader.execute_plan", held)
     yield gate

@@ -1,6 +1,6 @@
 """Processing checkpoints for vLLM's CUTLASS FP8 kernel, byte-identical to vLLM 0.33."""
 
-from service.processing.execute import execute_plan, fill_linear, load_processed
+from service.processing.execute import execute_plan, load_processed
 from service.processing.plan import (
     CarriedPlan,
     LinearPlan,
@@ -17,7 +17,6 @@ __all__ = [
     "ShardSource",
     "TensorSpec",
     "execute_plan",
-    "fill_linear",
     "load_processed",
     "plan_model",
 ]

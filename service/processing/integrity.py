@@ -3,45 +3,60 @@
 ModelOpt never writes an e4m3 NaN code (0x7f, 0xff: its quantizer clamps to +-448), and
 embeddings, norms and biases are finite, so such values mean bit rot or a damaged download.
 Headers and scales are checked before anything is allocated; this catches what only reading the
-data can, while a load is under way, and the load then fails as a whole. Both checks are single
-reductions (a max over masked e4m3 bits, a min/max over floats, where NaN propagates), so they
-cost a fraction of the copy they follow.
+data can, while a load is under way, and the load then fails as a whole.
+
+The test works on the bits, with two integer maxima and no temporary: a float is NaN or infinite
+when its bits without the sign are at least the all-ones exponent ``E`` (for e4m3, whose only
+non-finite codes are the NaNs, ``E = 0x7f``). Read as signed integers the positive values keep
+their order, so ``max >= E`` finds the positive ones; read as unsigned the negative ones sit above
+``sign | E``. Both maxima are vectorized NumPy reductions that release the GIL, so the check runs
+in the loading threads on data they have just read, while it is still in cache.
 """
 
 from __future__ import annotations
 
-import math
-
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from service.errors import CorruptFileError
 from service.processing.fp8 import FP8_DTYPE
 
-_E4M3_NAN_BITS = 0x7F
-_CHUNK = 1 << 22  # elements per reduction: keeps the masked temporary in cache
+# dtype -> (signed view, unsigned view, all-ones exponent bits without the sign)
+_NON_FINITE_FROM: dict[
+    torch.dtype, tuple[type[np.signedinteger], type[np.unsignedinteger], int]
+] = {
+    FP8_DTYPE: (np.int8, np.uint8, 0x7F),
+    torch.float8_e5m2: (np.int8, np.uint8, 0x7C),
+    torch.float16: (np.int16, np.uint16, 0x7C00),
+    torch.bfloat16: (np.int16, np.uint16, 0x7F80),
+    torch.float32: (np.int32, np.uint32, 0x7F800000),
+    torch.float64: (np.int64, np.uint64, 0x7FF0000000000000),
+}
 
 
-def _has_e4m3_nan(tensor: torch.Tensor) -> bool:
-    codes = tensor.reshape(-1).view(torch.uint8)
-    for start in range(0, codes.numel(), _CHUNK):
-        if int(codes[start : start + _CHUNK].bitwise_and(_E4M3_NAN_BITS).max()) == 0x7F:
-            return True
-    return False
+def checks_finite(dtype: torch.dtype) -> bool:
+    """Whether data of ``dtype`` is checked at all (integers are not)."""
+    return dtype in _NON_FINITE_FROM
 
 
-def _has_non_finite(tensor: torch.Tensor) -> bool:
-    if tensor.numel() == 0:
+def has_non_finite(data: npt.NDArray[np.uint8], dtype: torch.dtype) -> bool:
+    """Whether the contiguous bytes ``data``, read as ``dtype``, hold a NaN or an infinity."""
+    found = _NON_FINITE_FROM.get(dtype)
+    if found is None or data.size == 0:
         return False
-    low, high = torch.aminmax(tensor.reshape(-1))
-    return not (math.isfinite(float(low)) and math.isfinite(float(high)))
+    signed, unsigned, exponent = found
+    flat = data.reshape(-1)
+    if int(flat.view(signed).max()) >= exponent:
+        return True
+    sign = 1 << (8 * np.dtype(unsigned).itemsize - 1)
+    return int(flat.view(unsigned).max()) >= sign | exponent
 
 
 def require_finite(tensor: torch.Tensor, name: str, file: str) -> None:
-    if tensor.dtype == FP8_DTYPE:
-        bad = tensor.numel() > 0 and _has_e4m3_nan(tensor)
-    elif tensor.is_floating_point():
-        bad = _has_non_finite(tensor)
-    else:
+    """Refuse a CPU tensor holding a NaN or an infinity (an e4m3 NaN code for fp8)."""
+    if not checks_finite(tensor.dtype) or tensor.numel() == 0:
         return
-    if bad:
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    if has_non_finite(data, tensor.dtype):
         raise CorruptFileError("tensor data holds NaN or infinite values", file=file, tensor=name)

@@ -5,11 +5,13 @@ load holds no memory.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,11 +21,12 @@ import xxhash
 from service.checkpoint import Checkpoint
 from service.dtypes import to_wire
 from service.errors import InsufficientMemoryError
-from service.memory.arena import Arena, allocate_arena
-from service.memory.checksum import storage_checksum
+from service.memory.arena import Arena, ShmArena, allocate_arena
 from service.memory.devices import Placement
 from service.memory.layout import pack
-from service.processing import ModelPlan, TensorSpec, execute_plan, plan_model
+from service.processing import ModelPlan, execute_plan, plan_model
+from service.processing.execute import StorageFor
+from service.processing.fill import FileRange
 from service.schemas.manifest import (
     CheckpointIdentity,
     DaemonIdentity,
@@ -80,32 +83,20 @@ class LoadRequest:
     opened: Callable[[CheckpointIdentity], None]
 
 
-class _Writer:
-    """Hands the processing code somewhere to write each tensor, and after each layer checksums
-    it and, on a GPU, uploads it from a host staging buffer."""
-
-    def __init__(self, arena: Arena) -> None:
-        self.arena = arena
-        self.on_host = arena.device.kind is DeviceKind.cpu
-        self.pending: dict[str, tuple[TensorSpec, torch.Tensor]] = {}
-        self.checksums: dict[str, str] = {}
-
-    def storage_for(self, spec: TensorSpec) -> torch.Tensor:
-        if spec.name not in self.pending:
-            buf = (
-                self.arena.storage(spec)
-                if self.on_host
-                else torch.empty(spec.storage_shape, dtype=spec.dtype)
-            )
-            self.pending[spec.name] = (spec, buf)
-        return self.pending[spec.name][1]
-
-    def flush(self) -> None:
-        for name, (spec, buf) in self.pending.items():
-            self.checksums[name] = storage_checksum(buf)
-            if not self.on_host:
-                self.arena.storage(spec).copy_(buf)
-        self.pending.clear()
+@contextlib.contextmanager
+def _destinations(arena: Arena) -> Iterator[StorageFor]:
+    """Where the processing writes each tensor: the arena's memory on a GPU; on the host its
+    file, through ``pwrite``, so the daemon never maps the pages it fills (faulting in every page
+    of a fresh mapping costs more than the copy)."""
+    if not isinstance(arena, ShmArena):
+        yield arena.storage
+        return
+    offsets = arena.layout.offsets
+    fd = os.open(arena.path, os.O_RDWR)
+    try:
+        yield lambda spec: FileRange(fd, offsets[spec.name], spec.nbytes)
+    finally:
+        os.close(fd)
 
 
 def _check_budget(req: LoadRequest, needed: int) -> None:
@@ -193,34 +184,31 @@ def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
             if progress.cancelled.is_set():
                 raise LoadCancelled(f"model {req.model_id} was unloaded while loading")
 
+        def advance(nbytes: int, ntensors: int) -> None:
+            nonlocal last_log
+            progress.bytes_done += nbytes
+            progress.tensors_done += ntensors
+            stop()
+            if time.monotonic() - last_log > 2.0:
+                last_log = time.monotonic()
+                log.info(
+                    "loading %s: %.0f%% (%d/%d bytes, %d/%d tensors)",
+                    req.model_id,
+                    100 * progress.bytes_done / max(1, progress.bytes_total),
+                    progress.bytes_done,
+                    progress.bytes_total,
+                    progress.tensors_done,
+                    progress.tensors_total,
+                )
+
         for plan, layout, placement in zip(plans, layouts, req.placements, strict=True):
             label = f"{req.model_id}-r{plan.tp_rank}"
             arena = allocate_arena(layout, placement, req.shm_dir, req.daemon.boot_id, label)
             arenas.append(arena)
-            writer = _Writer(arena)
 
-            def advance(nbytes: int, ntensors: int, writer: _Writer = writer) -> None:
-                nonlocal last_log
-                writer.flush()
-                progress.bytes_done += nbytes
-                progress.tensors_done += ntensors
-                stop()
-                if time.monotonic() - last_log > 2.0:
-                    last_log = time.monotonic()
-                    log.info(
-                        "loading %s: %.0f%% (%d/%d bytes, %d/%d tensors)",
-                        req.model_id,
-                        100 * progress.bytes_done / max(1, progress.bytes_total),
-                        progress.bytes_done,
-                        progress.bytes_total,
-                        progress.tensors_done,
-                        progress.tensors_total,
-                    )
-
-            execute_plan(ckpt, plan, writer.storage_for, advance)
-            if placement.kind is DeviceKind.cuda:
-                torch.cuda.synchronize(placement.index)
-            processed.append((plan, arena, writer.checksums))
+            with _destinations(arena) as storage_for:
+                checksums = execute_plan(ckpt, plan, storage_for, advance)
+            processed.append((plan, arena, checksums))
         # The full identity tier, while the files are still in the page cache from processing.
         identity = identity.model_copy(
             update={"digests": ckpt.digests.model_copy(update={"full": ckpt.full_digest(stop)})}

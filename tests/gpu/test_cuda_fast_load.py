@@ -1,0 +1,112 @@
+"""On the GPU: the load path through pinned buffers and asynchronous copies gives the reference
+path's bytes (``tests/reference_processing.py``, on the host) in fresh CUDA tensors and in the
+daemon's CUDA arenas, with the checksums of those bytes, also with staging buffers small enough
+that every tensor takes many copies, and with two loads at once."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.checkpoint import Checkpoint
+from service.memory.checksum import storage_checksum
+from service.memory.devices import Placement
+from service.processing import fill as fill_module
+from service.processing import load_processed, plan_model
+from service.registry.loader import LoadRequest, Progress, load_model
+from service.schemas.manifest import DaemonIdentity, DeviceKind
+from tests.conftest import MODELOPT_EXPORTS
+from tests.reference_processing import reference_storages
+
+pytestmark = pytest.mark.gpu
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _assert_cuda_load_matches(path: Path, tp: int, rank: int) -> None:
+    plan, want = reference_storages(path, tp, rank)
+    with Checkpoint.open(path) as ckpt:
+        got = load_processed(ckpt, plan_model(ckpt, tp, rank), "cuda")
+    specs = {s.name: s for s in plan.specs}
+    assert set(got) == set(want)
+    for name, tensor in got.items():
+        assert tensor.is_cuda, name
+        spec = specs[name]
+        assert tensor.shape == spec.shape and tensor.stride() == spec.stride, name
+        assert torch.equal(_raw(spec.storage_of(tensor)), _raw(want[name])), name
+
+
+@pytest.mark.parametrize("export", MODELOPT_EXPORTS, ids=lambda p: p.name)
+@pytest.mark.parametrize(("tp", "rank"), [(1, 0), (2, 1), (4, 3)])
+def test_cuda_load_of_real_exports_matches_the_reference(export: Path, tp: int, rank: int) -> None:
+    _assert_cuda_load_matches(export, tp, rank)
+
+
+@pytest.mark.parametrize("stage", [4096, 1 << 20])
+def test_small_staging_buffers_change_nothing(
+    tiny_any: Path, monkeypatch: pytest.MonkeyPatch, stage: int
+) -> None:
+    monkeypatch.setattr(fill_module, "STAGE_BYTES", stage)
+    for tp, rank in [(1, 0), (4, 2)]:
+        _assert_cuda_load_matches(tiny_any, tp, rank)
+
+
+def _cuda_request(path: Path, shm: Path, tp: int) -> LoadRequest:
+    return LoadRequest(
+        model_id="m",
+        path=path,
+        tp_size=tp,
+        placements=[Placement(DeviceKind.cuda, 0)] * tp,  # every rank on GPU 0 is allowed here
+        shm_dir=shm,
+        reserve=lambda nbytes: None,
+        opened=lambda ckpt: None,
+        daemon=DaemonIdentity(
+            boot_id="b",
+            protocol_version=1,
+            weight_cache_version="0",
+            torch_version=torch.__version__,
+        ),
+    )
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cuda_arenas_hold_the_reference_bytes(tiny_any: Path, tmp_path: Path, tp: int) -> None:
+    ranks = load_model(_cuda_request(tiny_any, tmp_path, tp), Progress())
+    try:
+        for rank in ranks:
+            plan, want = reference_storages(tiny_any, tp, rank.manifest.tp_rank)
+            specs = {s.name: s for s in plan.specs}
+            for entry in rank.manifest.tensors:
+                stored = rank.arena.storage(specs[entry.name])
+                assert stored.is_cuda
+                assert torch.equal(_raw(stored), _raw(want[entry.name])), entry.name
+                assert entry.checksum == storage_checksum(want[entry.name]), entry.name
+    finally:
+        for rank in ranks:
+            rank.arena.release()
+
+
+def test_two_cuda_loads_at_once(tiny_fp8: Path, tiny_pc: Path) -> None:
+    paths = [tiny_fp8, tiny_pc]
+    results: list[dict[str, torch.Tensor] | None] = [None, None]
+
+    def load(i: int) -> None:
+        with Checkpoint.open(paths[i]) as ckpt:
+            results[i] = load_processed(ckpt, plan_model(ckpt), "cuda")
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for path, got in zip(paths, results, strict=True):
+        assert got is not None
+        plan, want = reference_storages(path, 1, 0)
+        specs = {s.name: s for s in plan.specs}
+        for name, tensor in got.items():
+            assert torch.equal(_raw(specs[name].storage_of(tensor)), _raw(want[name])), name
