@@ -251,3 +251,77 @@ class VerificationError(WeightCacheError):
     @property
     def reason(self) -> str:
         return str(self.extra.get("reason", "unknown"))
+
+
+# --- Hostile input and hostile hosts ------------------------------------------------------------
+
+
+class NotRegularFileError(CheckpointError):
+    """A checkpoint file that is a FIFO, socket, device or directory: never read from."""
+
+    code = "not_regular_file"
+    title = "Checkpoint file is not a regular file"
+
+
+class SymlinkRefusedError(CheckpointError):
+    """A symlink loop, or a symlink where the path policy forbids them; ``reason`` says which."""
+
+    code = "symlink_refused"
+    title = "Symlink loop or forbidden symlink"
+
+
+class PathTooLongError(CheckpointError):
+    code = "path_too_long"
+    title = "Path or path component too long"
+
+
+class CheckpointUnreadableError(CheckpointError):
+    code = "checkpoint_unreadable"
+    title = "Checkpoint file cannot be read"
+
+
+class TooManyLeasesError(WeightCacheError):
+    """The daemon's cap on active leases is reached; release or let leases expire first."""
+
+    code = "too_many_leases"
+    status = 429
+    title = "Too many active leases"
+
+
+class TooManyClientLeasesError(TooManyLeasesError):
+    code = "too_many_client_leases"
+    title = "Too many active leases for this client process"
+
+
+class TooManyConnectionsError(WeightCacheError):
+    code = "too_many_connections"
+    status = 503
+    title = "Too many open connections"
+
+
+class HeadersTooLargeError(InvalidRequestError):
+    code = "headers_too_large"
+    status = 431
+    title = "Request line and headers too large"
+
+
+class RequestTimeoutError(InvalidRequestError):
+    code = "request_timeout"
+    status = 408
+    title = "Request not received in time"
+
+
+class ArenaCorruptedError(WeightCacheError):
+    """A resident arena's bytes no longer match the checksums taken when it was written."""
+
+    code = "arena_corrupted"
+    status = 409
+    title = "Resident weights changed after loading"
+
+
+class ShmDirError(WeightCacheError):
+    """The shared-memory arena directory is not safe to use (not ours, not a directory)."""
+
+    code = "shm_dir_unsafe"
+    status = 500
+    title = "Unsafe shared-memory directory"

@@ -81,6 +81,20 @@ def build_settings(**flags: Any) -> DaemonSettings:
 )
 @click.option("--shm-dir", type=click.Path(path_type=Path), help="Shared-memory arena dir.")
 @click.option("--memory-budget-bytes", type=int, help="Most bytes the cache may hold.")
+@click.option(
+    "--shm-group",
+    help="Group that may map CPU arenas (directory 0750, files 0640) [default: owner only].",
+)
+@click.option(
+    "--scrub-interval",
+    "scrub_interval_s",
+    type=float,
+    help="Re-check resident arenas against their checksums every N seconds [default: 0, off].",
+)
+@click.option("--max-leases", type=int, help="Most active leases in all [default: 4096].")
+@click.option(
+    "--max-leases-per-client", type=int, help="Most active leases of one client PID [default: 256]."
+)
 def serve(**flags: Any) -> None:
     """Run the daemon: load the models, serve health, inventory and leases.
 
@@ -90,6 +104,7 @@ def serve(**flags: Any) -> None:
     import uvicorn
 
     from service.api.app import create_app
+    from service.api.server import server_config
     from service.memory.devices import resolve_placements
 
     try:
@@ -103,7 +118,4 @@ def serve(**flags: Any) -> None:
     app = create_app(settings)
     where = str(settings.uds) if settings.uds else f"http://{settings.host}:{settings.port}"
     log.info("weight-cache daemon on %s (device %s)", where, settings.device)
-    if settings.uds:
-        uvicorn.run(app, uds=str(settings.uds), log_level="info", access_log=False)
-    else:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
+    uvicorn.Server(server_config(app, settings)).run()
