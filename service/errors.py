@@ -325,3 +325,11 @@ class ShmDirError(WeightCacheError):
     code = "shm_dir_unsafe"
     status = 500
     title = "Unsafe shared-memory directory"
+
+
+class MalformedRequestError(InvalidRequestError):
+    """Bytes that do not parse as HTTP/1.1 at all."""
+
+    code = "malformed_request"
+    status = 400
+    title = "Malformed HTTP request"

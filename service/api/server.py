@@ -25,6 +25,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from service.api.problems import PROBLEM_MEDIA_TYPE
 from service.errors import (
     HeadersTooLargeError,
+    MalformedRequestError,
     RequestTimeoutError,
     TooManyConnectionsError,
     WeightCacheError,
@@ -111,6 +112,10 @@ def guarded_protocol(limits: FrontLimits) -> type[asyncio.Protocol]:
                 limits.on_refuse(error.code)
             self.transport.write(problem_bytes(error))
             self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            """The parser's refusal of bytes that are not HTTP, as a problem document."""
+            self._refuse(MalformedRequestError(f"malformed HTTP request: {msg}"))
 
         def _too_large(self) -> None:
             self._refuse(

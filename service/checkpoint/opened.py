@@ -207,12 +207,7 @@ class CheckpointDir:
         except OSError as exc:
             raise os_refusal(exc, where, self.policy) from exc
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise NotRegularFileError(
-                    "not a regular file (a FIFO, device, socket or directory)", file=str(where)
-                )
-            if self.policy.roots is not None:
+            if self.policy.roots is not None:  # first: say nothing of what lies outside
                 try:
                     real = fd_real_path(fd)
                 except OSError as exc:
@@ -223,6 +218,11 @@ class CheckpointDir:
                     raise PathNotAllowedError(
                         f"{name} is outside the allowed roots", path=str(where)
                     )
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotRegularFileError(
+                    "not a regular file (a FIFO, device, socket or directory)", file=str(where)
+                )
         except BaseException:
             os.close(fd)
             raise

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear
-from service.checkpoint.opened import PathPolicy
 from service.checkpoint import Checkpoint
+from service.checkpoint.opened import PathPolicy
 from service.memory.devices import Placement
 from service.processing import load_processed, plan_model
 from service.processing.fp8 import FP8_DTYPE, dequantize_to_fp16, quantize_static
