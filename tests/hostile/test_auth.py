@@ -36,7 +36,9 @@ def open_root() -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.mark.parametrize("token", ["x", "               ", "short token 123", "a\tb\tc\td\te\tf\tg\th"])
+@pytest.mark.parametrize(
+    "token", ["x", "               ", "short token 123", "a\tb\tc\td\te\tf\tg\th"]
+)
 def test_a_weak_token_cannot_expose_the_daemon(token: str, tmp_path: Path) -> None:
     result = CliRunner().invoke(
         cli,
@@ -49,7 +51,9 @@ def test_a_weak_token_cannot_expose_the_daemon(token: str, tmp_path: Path) -> No
 
 def test_401_says_how_to_authenticate(tmp_path: Path, tiny_fp8: Path) -> None:
     token = "s3cret-token-0123456789"
-    daemon = start_daemon(tmp_path, [tiny_fp8], "--model-id", "tiny", env={"WEIGHT_CACHE_TOKEN": token})
+    daemon = start_daemon(
+        tmp_path, [tiny_fp8], "--model-id", "tiny", env={"WEIGHT_CACHE_TOKEN": token}
+    )
     try:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": token}):
             r = httpx.get(f"{daemon.url}/v1/inventory", headers=headers)
@@ -90,6 +94,7 @@ def test_another_user_cannot_list_or_read_arenas(
         "    except PermissionError:\n"
         "        print('denied')\n"
     )
+
     def as_nobody(directory: Path, file: Path) -> list[str]:
         out = subprocess.run(
             [sys.executable, "-c", code, str(directory), str(file)],
@@ -209,11 +214,15 @@ def test_a_half_created_arena_of_a_killed_daemon_is_removed(tmp_path: Path, tiny
 
 def test_auth_under_load_keeps_health(tmp_path: Path, tiny_fp8: Path) -> None:
     token = "s3cret-token-0123456789"
-    daemon = start_daemon(tmp_path, [tiny_fp8], "--model-id", "tiny", env={"WEIGHT_CACHE_TOKEN": token})
+    daemon = start_daemon(
+        tmp_path, [tiny_fp8], "--model-id", "tiny", env={"WEIGHT_CACHE_TOKEN": token}
+    )
     try:
         with HealthProbe(daemon.url) as probe, httpx.Client(base_url=daemon.url) as client:
             codes = {
-                client.get("/v1/inventory", headers={"Authorization": f"Bearer {'x' * i}"}).status_code
+                client.get(
+                    "/v1/inventory", headers={"Authorization": f"Bearer {'x' * i}"}
+                ).status_code
                 for i in range(1, 300)
             }
         assert codes == {401}

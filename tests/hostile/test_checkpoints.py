@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from service.checkpoint import Checkpoint
-from service.errors import CorruptFileError
+from service.errors import CorruptFileError, InvalidConfigError
 from tests.checkpoint_tools import rewrite_header, rewrite_json, rewrite_tensors
 from tests.hostile.conftest import Hostile
 from tests.hostile.probe import HealthProbe
@@ -50,7 +50,7 @@ def _index(weight_map: object) -> Callable[[Path], None]:
     return write
 
 
-CASES: list[tuple[str, Callable[[Path], None], str]] = [
+CASES: list[tuple[str, Callable[[Path], object], str]] = [
     ("layers-1e6", _config(num_hidden_layers=1_000_000), "invalid_config"),
     ("layers-1e8", _config(num_hidden_layers=100_000_000), "invalid_config"),
     ("hidden", _config(hidden_size=1_000_000_000, head_dim=8), "invalid_config"),
@@ -102,7 +102,7 @@ CASES: list[tuple[str, Callable[[Path], None], str]] = [
 
 @pytest.mark.parametrize(("name", "mutate", "code"), CASES, ids=[c[0] for c in CASES])
 def test_broken_checkpoint_is_refused_with_its_code(
-    hostile: Hostile, name: str, mutate: Callable[[Path], None], code: str
+    hostile: Hostile, name: str, mutate: Callable[[Path], object], code: str
 ) -> None:
     path = hostile.checkpoint(f"broken-{name}")
     mutate(path)
@@ -119,20 +119,14 @@ def test_broken_checkpoint_is_refused_with_its_code(
     probe.assert_answered()
 
 
-def test_a_lying_layer_count_plans_nothing(tiny_fp8: Path, copy_of, monkeypatch) -> None:
-    """The refusal comes before any per-layer spec exists, whatever the promise."""
-    import service.checkpoint.architecture as architecture
-
-    built: list[int] = []
-    original = architecture.linear_specs
-    monkeypatch.setattr(architecture, "linear_specs", lambda d: built.append(1) or original(d))
+def test_a_lying_layer_count_is_refused_on_open(tiny_fp8: Path, copy_of) -> None:
+    """The refusal comes from opening the checkpoint, before any plan could be made."""
     path = copy_of(tiny_fp8)
     _config(num_hidden_layers=10**9)(path)
-    with pytest.raises(Exception) as err:
+    with pytest.raises(InvalidConfigError) as err:
         Checkpoint.open(path)
-    assert getattr(err.value, "code", None) == "invalid_config"
-    assert err.value.extra["field"] == "num_hidden_layers"  # type: ignore[attr-defined]
-    assert built == []
+    assert err.value.extra["field"] == "num_hidden_layers"
+    assert "headers hold 2 layers" in err.value.detail
 
 
 def test_a_file_truncated_while_open_is_a_typed_error(tiny_fp8: Path, copy_of) -> None:

@@ -3,6 +3,7 @@ its code, and ``/health`` keeps answering throughout."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -86,10 +87,8 @@ def test_slowloris_headers_time_out(hostile: Hostile) -> None:
             s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
         for i in range(5):  # trickling bytes does not extend the deadline
             for s in socks:
-                try:
+                with contextlib.suppress(OSError):
                     s.sendall(f"X-{i}: 1\r\n".encode())
-                except OSError:
-                    pass
             time.sleep(0.1)
         answers = [_answer(s) for s in socks]
         for s in socks:
@@ -104,7 +103,7 @@ def test_slow_body_times_out(hostile: Hostile) -> None:
         s = _connect(hostile)
         s.sendall(
             b"POST /v1/leases HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: 200\r\n\r\n{\"model\":"
+            b'content-length: 200\r\n\r\n{"model":'
         )
         status, body = _answer(s)
         s.close()
@@ -150,7 +149,9 @@ def test_idle_connections_do_not_pile_up(hostile: Hostile) -> None:
                 closed += status in (408, 503)
                 s.close()
     assert closed == 120
-    fds = len(list((__import__("pathlib").Path(f"/proc/{hostile.daemon.process.pid}/fd")).iterdir()))
+    fds = len(
+        list((__import__("pathlib").Path(f"/proc/{hostile.daemon.process.pid}/fd")).iterdir())
+    )
     assert fds < 100
     probe.assert_answered()
 

@@ -18,7 +18,8 @@ from tests.hostile.probe import HealthProbe
 
 
 @pytest.mark.parametrize(
-    "name", ["model.safetensors", "config.json", "hf_quant_config.json", "model.safetensors.index.json"]
+    "name",
+    ["model.safetensors", "config.json", "hf_quant_config.json", "model.safetensors.index.json"],
 )
 def test_a_fifo_is_refused_at_once(hostile: Hostile, name: str) -> None:
     path = hostile.checkpoint(f"fifo-{name}")
