@@ -376,7 +376,7 @@ class Daemon:
             LeaseEnd.reaped: self.metrics.leases_reaped,
         }
         counters[how].inc()
-        if how is not LeaseEnd.released:
+        if how is LeaseEnd.expired:  # reaped ones are logged once per dead client (sweep)
             log.info(
                 "lease %s on %s %s (pid %d)", lease.id, lease.model, how.value, lease.client_pid
             )
@@ -392,7 +392,10 @@ class Daemon:
         if dead:
             with self.lock:
                 for pid, start in dead:
-                    ended += self.leases.reap(pid, start)
+                    reaped = self.leases.reap(pid, start)
+                    ended += reaped
+                    if reaped:
+                        log.info("client pid %d is gone: reaped its %d lease(s)", pid, len(reaped))
         if ended and torch.cuda.is_available():
             torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 

@@ -59,24 +59,34 @@ def problem_bytes(error: WeightCacheError) -> bytes:
 def guarded_protocol(limits: FrontLimits) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol class, bounded by ``limits``."""
 
+    too_many = problem_bytes(
+        TooManyConnectionsError(
+            f"the daemon serves at most {limits.max_connections} connections",
+            limit=limits.max_connections,
+        )
+    )
+
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         _deadline: asyncio.TimerHandle | None = None
         _in_headers = True
         _header_bytes = 0
+        _turned_away = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            if len(self.connections) > limits.max_connections:
-                self._refuse(
-                    TooManyConnectionsError(
-                        f"the daemon serves at most {limits.max_connections} connections",
-                        limit=limits.max_connections,
-                    )
-                )
+            if len(self.connections) >= limits.max_connections:
+                # Turned away before any per-connection state exists: a flood costs little.
+                self._turned_away = True
+                if limits.on_refuse is not None:
+                    limits.on_refuse(TooManyConnectionsError.code)
+                transport.write(too_many)
+                transport.close()
                 return
+            super().connection_made(transport)
             self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._turned_away:
+                return
             self._disarm()
             super().connection_lost(exc)
 
@@ -128,7 +138,7 @@ def guarded_protocol(limits: FrontLimits) -> type[asyncio.Protocol]:
         # --- parser events ---------------------------------------------------------------------
 
         def data_received(self, data: bytes) -> None:
-            if self.transport.is_closing():
+            if self._turned_away or self.transport.is_closing():
                 return
             super().data_received(data)
             if self._in_headers and not self.transport.is_closing():
