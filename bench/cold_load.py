@@ -40,8 +40,10 @@ from safetensors.torch import load_file
 
 from bench.common import CACHE, shm_scratch, warm_page_cache
 from service.checkpoint import Checkpoint
+from service.checkpoint.opened import PathPolicy
 from service.demo import SHAPES, write_demo_checkpoint
 from service.memory.devices import Placement
+from service.memory.shm import ArenaDir
 from service.processing import ModelPlan, plan_model
 from service.processing.execute import requantize_maps
 from service.registry.loader import LoadRequest, Progress, ResidentRank, load_model
@@ -84,7 +86,8 @@ def daemon_load(path: Path, device: torch.device, shm: Path, model_id: str) -> l
         path=path,
         tp_size=1,
         placements=[placement],
-        shm_dir=shm,
+        policy=PathPolicy(),
+        arena_dir=ArenaDir.prepare(shm),
         reserve=lambda nbytes: None,
         opened=lambda identity: None,
         daemon=DaemonIdentity(

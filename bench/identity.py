@@ -19,7 +19,6 @@ from bench.common import demo_checkpoint, median_seconds, warm_page_cache
 from engine_client.verify import Expectations
 from service.checkpoint import Checkpoint, IdentityTier, checkpoint_fingerprint
 from service.checkpoint.fingerprint import sampled_digest
-from service.checkpoint.safetensors_files import read_raw_header
 
 TARGET_MS = 20.0
 
@@ -34,8 +33,7 @@ def main() -> None:
     path = demo_checkpoint(args.shape, args.scheme)
     size = warm_page_cache(path)
     with Checkpoint.open(path) as ckpt:
-        files, tensors = ckpt.files, len(ckpt.tensors)
-    headers = {f.name: read_raw_header(f) for f in files}
+        files, tensors, headers = ckpt.files, len(ckpt.tensors), dict(ckpt._headers)
     cpu = torch.device("cpu")
 
     rows = {

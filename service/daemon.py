@@ -7,7 +7,6 @@ under ``self.lock``, so an arena is never released while a lease on it is active
 
 from __future__ import annotations
 
-import logging
 import secrets
 import threading
 import time
@@ -16,9 +15,11 @@ from pathlib import Path
 
 import torch
 
+from service.checkpoint.opened import CheckpointDir, PathPolicy
+from service.checkpoint.safetensors_files import INDEX_FILE
 from service.errors import (
+    ArenaCorruptedError,
     ArenaLostError,
-    CheckpointNotFoundError,
     InsufficientMemoryError,
     InvalidRequestError,
     LayoutMismatchError,
@@ -28,10 +29,14 @@ from service.errors import (
     ModelLoadingError,
     ModelNotFoundError,
     PathNotAllowedError,
+    TooManyClientLeasesError,
+    TooManyLeasesError,
     WeightCacheError,
 )
-from service.memory.devices import device_infos, resolve_placements
-from service.memory.shm import remove_stale_files
+from service.logsafe import get_logger
+from service.memory.checksum import storage_checksum
+from service.memory.devices import device_infos, process_alive, resolve_placements
+from service.memory.shm import ArenaDir, remove_stale_files
 from service.metrics import Metrics
 from service.registry.grant import Grant
 from service.registry.leases import Lease, LeaseEnd, LeaseTable
@@ -46,11 +51,12 @@ from service.schemas.models import ModelInfo, ModelState, default_model_id
 from service.settings import DaemonSettings
 from service.version import PROTOCOL_VERSION, __version__
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 # What every model here was processed for; a lease asking for anything else is refused.
 SERVED_KERNEL = Kernel.cutlass
 SERVED_FORMAT = WeightFormat.default
+CHECKPOINT_FILES = ("config.json", "hf_quant_config.json", INDEX_FILE)
 
 
 class Daemon:
@@ -76,13 +82,21 @@ class Daemon:
         )
         self._threads: list[threading.Thread] = []
         self._draining: set[ModelRecord] = set()  # unloaded while loading, thread still running
+        self.arena_dir: ArenaDir | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Clean up after dead daemons and start loading the models asked for at start."""
-        for path in remove_stale_files(self.settings.shm_dir):
-            log.info("removed stale shared-memory arena %s", path)
+        """Make the private arena directory, clean up after dead daemons, and start loading
+        the models asked for at start."""
+        root = self.settings.shm_dir
+        if root.is_dir():
+            self.arena_dir = ArenaDir.prepare(root, self.settings.shm_group)
+            stale = remove_stale_files(root) + self.arena_dir.remove_stale()  # earlier layout too
+            for path in stale:
+                log.info("removed stale shared-memory arena %s", path)
+        else:
+            log.warning("no shared-memory directory %s: CPU arenas cannot be made", root)
         if torch.cuda.is_available():
             # Opening an expandable-segment handle costs time in proportion to its size.
             set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
@@ -105,45 +119,44 @@ class Daemon:
             self.models.clear()
         for thread in self._threads:
             thread.join(timeout=30)
+        if self.arena_dir is not None:
+            self.arena_dir.close()
 
     # --- models --------------------------------------------------------------------------------
 
-    def _check_allowed(self, path: Path) -> Path:
-        roots = [r.resolve() for r in self.settings.allowed_roots]
-        if not roots:
+    def _api_policy(self) -> PathPolicy | None:
+        """API loads read only below the allowed roots, checked on every opened file."""
+        roots = self.settings.allowed_roots
+        return PathPolicy.below(roots, self.settings.follow_symlinks) if roots else None
+
+    def _check_allowed(self, path: Path, policy: PathPolicy | None) -> Path:
+        """The real path of a checkpoint directory below an allowed root, after opening the
+        files a load reads as the load will (so a FIFO, a symlink out of the roots or a loop
+        is refused now, with its code); the load checks each file again as it opens it.
+        Blocking filesystem work: call it off the event loop."""
+        if policy is None:
             raise PathNotAllowedError(
                 "loading over the API is disabled: start the daemon with --allowed-root",
                 path=str(path),
             )
-        resolved = path.resolve()
-
-        def check(candidate: Path) -> None:
-            real = candidate.resolve()
-            if not any(real.is_relative_to(root) for root in roots):
-                raise PathNotAllowedError(
-                    f"{candidate} resolves outside the allowed roots",
-                    path=str(path),
-                    resolved=str(real),
-                )
-
-        check(resolved)  # outside the roots: refused before saying whether it exists
-        if not resolved.is_dir():
-            raise CheckpointNotFoundError("checkpoint directory does not exist", file=str(path))
+        opened = CheckpointDir.open(path, policy)
         try:
-            for candidate in resolved.iterdir():
-                check(candidate)
-        except OSError as exc:
-            raise CheckpointNotFoundError(
-                f"cannot read the checkpoint directory: {exc.strerror}", file=str(path)
-            ) from exc
-        return resolved
+            names = [*CHECKPOINT_FILES, *opened.names(".safetensors")]
+            for name in names:
+                file = opened.open_file(name)
+                if file is not None:
+                    file.close()
+        finally:
+            opened.close()
+        return opened.real
 
     def load(
         self, path: Path, model_id: str | None, tp_size: int, check_allowed: bool = True
     ) -> ModelRecord:
         """Register a model and load it in a worker thread (returns at once)."""
+        policy = self._api_policy() if check_allowed else PathPolicy()
         if check_allowed:
-            path = self._check_allowed(path)
+            path = self._check_allowed(path, policy)
         model_id = model_id or default_model_id(path)
         try:
             placements = resolve_placements(self.settings.device, tp_size)
@@ -165,7 +178,8 @@ class Daemon:
             path=path,
             tp_size=tp_size,
             placements=placements,
-            shm_dir=self.settings.shm_dir,
+            policy=policy or PathPolicy(),
+            arena_dir=self.arena_dir,
             daemon=self.identity,
             reserve=lambda nbytes: self._reserve(record, nbytes),
             opened=lambda ckpt: self._opened(record, ckpt),
@@ -291,9 +305,9 @@ class Daemon:
 
     def unload(self, model_id: str) -> None:
         """Forget a model and free its arenas; refused while any lease on it is active."""
+        self.sweep()
         with self.lock:
             record = self.model(model_id)
-            self.sweep()
             active = self.leases.count(model_id)
             if active:
                 raise ModelInUseError(
@@ -350,6 +364,7 @@ class Daemon:
                     f"tp_rank {req.tp_rank} is outside tp_size {record.tp_size}"
                 )
             ttl = self._ttl(req.ttl_s or self.settings.default_ttl_s)
+            self._check_lease_caps(req.client_pid)
             rank = record.ranks[req.tp_rank]
             handle = rank.arena.export()  # fresh for every lease
             lease = self.leases.add(
@@ -360,13 +375,28 @@ class Daemon:
         arena = ArenaDescriptor(index=0, nbytes=rank.arena.nbytes, handle=handle)
         return Grant(info, rank, [arena], req.known_layout != rank.manifest.layout_digest)
 
+    def _check_lease_caps(self, client_pid: int) -> None:
+        self.leases.expire(self.leases.now())
+        cap = self.settings.max_leases
+        if self.leases.count() >= cap:
+            raise TooManyLeasesError(
+                f"the daemon holds its maximum of {cap} active leases", limit=cap
+            )
+        cap = self.settings.max_leases_per_client
+        if self.leases.count_client(client_pid) >= cap:
+            raise TooManyClientLeasesError(
+                f"client process {client_pid} holds its maximum of {cap} active leases",
+                client_pid=client_pid,
+                limit=cap,
+            )
+
     def lease(self, lease_id: str) -> LeaseInfo:
         with self.lock:
             return self.leases.get(lease_id, self.leases.now()).info(self.boot_id)
 
     def list_leases(self) -> list[LeaseInfo]:
         with self.lock:
-            self.sweep()
+            self.leases.expire(self.leases.now())
             return [lease.info(self.boot_id) for lease in self.leases.active.values()]
 
     def _ttl(self, ttl_s: float) -> float:
@@ -396,17 +426,71 @@ class Daemon:
             LeaseEnd.reaped: self.metrics.leases_reaped,
         }
         counters[how].inc()
-        if how is not LeaseEnd.released:
+        if how is LeaseEnd.expired:  # reaped ones are logged once per dead client (sweep)
             log.info(
                 "lease %s on %s %s (pid %d)", lease.id, lease.model, how.value, lease.client_pid
             )
 
     def sweep(self) -> None:
-        """End expired leases and those whose client died."""
+        """End expired leases and those whose client died. Blocking (it reads /proc): the
+        reaper runs it in a thread. The lock is held for the heap pops and the PID list only,
+        never across the /proc reads, so grants on the event loop do not wait on it."""
         with self.lock:
-            ended = self.leases.sweep(self.leases.now())
+            ended = self.leases.expire(self.leases.now())
+            watched = self.leases.watched()
+        dead = [(pid, start) for pid, start in watched if not process_alive(pid, start)]
+        if dead:
+            with self.lock:
+                for pid, start in dead:
+                    reaped = self.leases.reap(pid, start)
+                    ended += reaped
+                    if reaped:
+                        log.info("client pid %d is gone: reaped its %d lease(s)", pid, len(reaped))
         if ended and torch.cuda.is_available():
             torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+
+    def scrub(self) -> int:
+        """Re-check every ready model's arenas against the per-tensor checksums taken when they
+        were written, and fail a model whose bytes changed (no new leases; its error says
+        ``arena_corrupted``). Blocking (hashes every resident byte): run it in a thread.
+        Returns the number of models failed."""
+        with self.lock:
+            targets = [
+                (record, [(rank.manifest, rank.arena.base) for rank in record.ranks])
+                for record in self.models.values()
+                if record.state is ModelState.ready
+            ]
+        failed = 0
+        for record, ranks in targets:
+            changed = next(
+                (
+                    (manifest.tp_rank, entry.name)
+                    for manifest, base in ranks
+                    for entry in manifest.tensors
+                    if storage_checksum(base[entry.offset : entry.offset + entry.nbytes])
+                    != entry.checksum
+                ),
+                None,
+            )
+            if changed is None:
+                continue
+            rank, tensor = changed
+            error = ArenaCorruptedError(
+                f"tensor {tensor} of rank {rank} no longer matches its checksum: the arena "
+                "was written after loading; unload and load the model again",
+                tensor=tensor,
+                tp_rank=rank,
+            )
+            with self.lock:
+                if self.models.get(record.id) is not record or record.state is not ModelState.ready:
+                    continue
+                record.state = ModelState.failed
+                record.error = error
+            failed += 1
+            self.metrics.arena_corruptions.labels(model=record.id).inc()
+            log.error("model %s failed its scrub: %s", record.id, error)
+        self.metrics.scrubs.inc()
+        return failed
 
     # --- views ---------------------------------------------------------------------------------
 

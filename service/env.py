@@ -30,6 +30,14 @@ SETTINGS_FIELDS = (
     "max_body_bytes",
     "load_threads",
     "keep_going",
+    "shm_group",
+    "scrub_interval_s",
+    "max_leases",
+    "max_leases_per_client",
+    "max_connections",
+    "max_header_bytes",
+    "request_timeout_s",
+    "follow_symlinks",
 )
 
 # Fields whose variable is named after the flag rather than the field (preferred name first;
@@ -43,6 +51,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "default_ttl_s": ("DEFAULT_TTL", "DEFAULT_TTL_S"),
     "max_ttl_s": ("MAX_TTL", "MAX_TTL_S"),
     "reaper_interval_s": ("REAPER_INTERVAL", "REAPER_INTERVAL_S"),
+    "scrub_interval_s": ("SCRUB_INTERVAL", "SCRUB_INTERVAL_S"),
+    "request_timeout_s": ("REQUEST_TIMEOUT", "REQUEST_TIMEOUT_S"),
 }
 
 # Variables read outside the daemon's settings: by every client command and the engine loader

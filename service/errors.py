@@ -322,6 +322,88 @@ class PermissionDeniedError(CheckpointError):
     title = "Checkpoint file not readable by the daemon"
 
 
+# --- Hostile input and hostile hosts ------------------------------------------------------------
+
+
+class NotRegularFileError(CheckpointError):
+    """A checkpoint file that is a FIFO, socket, device or directory: never read from."""
+
+    code = "not_regular_file"
+    title = "Checkpoint file is not a regular file"
+
+
+class SymlinkRefusedError(CheckpointError):
+    """A symlink loop, or a symlink where the path policy forbids them; ``reason`` says which."""
+
+    code = "symlink_refused"
+    title = "Symlink loop or forbidden symlink"
+
+
+class PathTooLongError(CheckpointError):
+    code = "path_too_long"
+    title = "Path or path component too long"
+
+
+class CheckpointUnreadableError(CheckpointError):
+    code = "checkpoint_unreadable"
+    title = "Checkpoint file cannot be read"
+
+
+class TooManyLeasesError(WeightCacheError):
+    """The daemon's cap on active leases is reached; release or let leases expire first."""
+
+    code = "too_many_leases"
+    status = 429
+    title = "Too many active leases"
+
+
+class TooManyClientLeasesError(TooManyLeasesError):
+    code = "too_many_client_leases"
+    title = "Too many active leases for this client process"
+
+
+class TooManyConnectionsError(WeightCacheError):
+    code = "too_many_connections"
+    status = 503
+    title = "Too many open connections"
+
+
+class HeadersTooLargeError(InvalidRequestError):
+    code = "headers_too_large"
+    status = 431
+    title = "Request line and headers too large"
+
+
+class RequestTimeoutError(InvalidRequestError):
+    code = "request_timeout"
+    status = 408
+    title = "Request not received in time"
+
+
+class ArenaCorruptedError(WeightCacheError):
+    """A resident arena's bytes no longer match the checksums taken when it was written."""
+
+    code = "arena_corrupted"
+    status = 409
+    title = "Resident weights changed after loading"
+
+
+class ShmDirError(WeightCacheError):
+    """The shared-memory arena directory is not safe to use (not ours, not a directory)."""
+
+    code = "shm_dir_unsafe"
+    status = 500
+    title = "Unsafe shared-memory directory"
+
+
+class MalformedRequestError(InvalidRequestError):
+    """Bytes that do not parse as HTTP/1.1 at all."""
+
+    code = "malformed_request"
+    status = 400
+    title = "Malformed HTTP request"
+
+
 # What to do about each code: sent as the problem document's ``hint``, printed by the CLI, and
 # the last column of the README's troubleshooting table (a test keeps the three equal).
 HINTS: dict[str, str] = {
@@ -366,6 +448,21 @@ HINTS: dict[str, str] = {
     "arena_unavailable": "run the engine in the daemon's IPC namespace and /dev/shm (compose: "
     "`ipc: service:daemon`); the engine falls back meanwhile",
     "ipc_open_failed": "run the engine on the daemon's GPU, in its PID and IPC namespaces",
+    "not_regular_file": "point at a regular file (not a FIFO, socket, device or directory)",
+    "symlink_refused": "replace the symlink loop or the forbidden symlink with the real file "
+    "(or start the daemon with WEIGHT_CACHE_FOLLOW_SYMLINKS=true)",
+    "path_too_long": "use a shorter path",
+    "checkpoint_unreadable": "check the file's permissions and the disk it lies on",
+    "too_many_leases": "release leases or let them expire (--max-leases raises the cap)",
+    "too_many_client_leases": "release this process's leases (--max-leases-per-client raises "
+    "the cap)",
+    "too_many_connections": "retry; close idle connections (--max-connections raises the cap)",
+    "headers_too_large": "send smaller headers",
+    "request_timeout": "send the whole request within --request-timeout seconds",
+    "arena_corrupted": "something wrote into the arena: unload the model (DELETE) and load it "
+    "again, and find the writer",
+    "shm_dir_unsafe": "give the daemon a --shm-dir it owns (a directory, not a link)",
+    "malformed_request": "speak HTTP/1.1 to the daemon",
     "arena_lost": "unload the model (DELETE /v1/models/{id}) and load it again; keep /dev/shm "
     "cleaners away from the daemon's files",
 }

@@ -72,4 +72,13 @@ class Metrics:
             buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
             registry=r,
         )
+        self.arena_corruptions = Counter(
+            "weight_cache_arena_corruptions",
+            "Models failed because a scrub found their resident bytes changed",
+            ["model"],
+            registry=r,
+        )
+        self.scrubs = Counter(
+            "weight_cache_scrubs", "Completed scrubs of every resident arena", registry=r
+        )
         r.register(_StateCollector(daemon))

@@ -25,6 +25,7 @@ from service.version import DEFAULT_PORT
 
 __all__ = ["DEFAULT_PORT", "DaemonSettings", "check_environment", "env_names", "known_variables"]
 
+MIN_EXPOSED_TOKEN_CHARS = 16  # for a bind other than loopback or a Unix socket
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -80,6 +81,29 @@ class DaemonSettings(BaseSettings):
     load_threads: int | None = Field(
         default=None, ge=1, description="threads that process a load (default: cores - 1)"
     )
+    shm_group: str | None = Field(
+        default=None,
+        description="group that may map arenas (dir 0750, files 0640); default: owner only",
+    )
+    scrub_interval_s: float = Field(
+        default=0.0, ge=0, description="re-check resident arenas' checksums every N s (0: off)"
+    )
+    max_leases: int = Field(default=4096, ge=1, description="active leases, all clients")
+    max_leases_per_client: int = Field(
+        default=256, ge=1, description="active leases of one client process"
+    )
+    max_connections: int = Field(default=256, ge=1, description="open HTTP connections")
+    max_header_bytes: int = Field(
+        default=32 * 1024, ge=1024, description="request line and headers of one request"
+    )
+    request_timeout_s: float = Field(
+        default=10.0, gt=0, description="time a client has to send a whole request"
+    )
+    follow_symlinks: bool = Field(
+        default=True,
+        description="API loads may name symlinked checkpoints/files (targets must stay below "
+        "an allowed root); false refuses them",
+    )
     keep_going: bool = Field(
         default=False, description="keep serving when a startup model fails to load"
     )
@@ -99,12 +123,18 @@ class DaemonSettings(BaseSettings):
     @model_validator(mode="after")
     def _token_from_file(self) -> DaemonSettings:
         """A token file, when given (by flag or environment), wins over a token value: the one
-        precedence rule clients follow too (:func:`service.tokens.resolve_token`)."""
+        precedence rule clients follow too (:func:`service.tokens.resolve_token`). A token is
+        compared without surrounding whitespace, and one of whitespace alone is no token."""
         if self.token_file is not None:
             try:
                 self.token = SecretStr(read_token_file(self.token_file))
             except UnauthorizedError as exc:
                 raise ValueError(exc.detail) from exc
+        if self.token is not None:
+            value = self.token.get_secret_value().strip()
+            if not value:
+                raise ValueError("the token is empty or whitespace only")
+            self.token = SecretStr(value)
         return self
 
     def startup_models(self) -> list[tuple[Path, str]]:
@@ -134,11 +164,19 @@ class DaemonSettings(BaseSettings):
             return False
 
     def check_exposure(self) -> None:
-        """Refuse to serve a non-loopback address without a token."""
-        if not self.is_loopback and self.token is None:
+        """Refuse to serve a non-loopback address without a strong enough token."""
+        if self.is_loopback:
+            return
+        if self.token is None:
             raise ValueError(
                 f"refusing to bind {self.host} without a token: set --token-file or "
                 "WEIGHT_CACHE_TOKEN, or bind a loopback address or a Unix socket"
+            )
+        strength = sum(1 for c in self.token.get_secret_value() if not c.isspace())
+        if strength < MIN_EXPOSED_TOKEN_CHARS:
+            raise ValueError(
+                f"refusing to bind {self.host} with a token of {strength} non-space characters: "
+                f"use at least {MIN_EXPOSED_TOKEN_CHARS} (e.g. `openssl rand -hex 16`)"
             )
 
     def check_directories(self) -> None:

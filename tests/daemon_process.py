@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from service.memory.shm import arena_dir_path
+
 if TYPE_CHECKING:
     from service.settings import DaemonSettings
 
@@ -71,7 +73,7 @@ def free_port() -> int:
 class DaemonProcess:
     url: str
     process: subprocess.Popen[bytes]
-    shm_dir: Path
+    shm_dir: Path  # the daemon's private arena directory under the --shm-dir given
     log: Path
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
@@ -125,7 +127,7 @@ def start_daemon(
     }
     with log.open("wb") as out:
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=full_env)
-    daemon = DaemonProcess(f"http://127.0.0.1:{port}", process, shm_dir, log)
+    daemon = DaemonProcess(f"http://127.0.0.1:{port}", process, arena_dir_path(shm_dir), log)
     transport = httpx.HTTPTransport(uds=str(uds)) if uds else None
     poll = httpx.Client(transport=transport, base_url=daemon.url, timeout=1)
     deadline = time.monotonic() + timeout_s

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
+import anyio.to_thread
 from fastapi import Depends, FastAPI
 
 from service.api import problems
@@ -21,13 +22,15 @@ from service.version import __version__
 log = logging.getLogger(__name__)
 
 
-async def _reaper(daemon: Daemon) -> None:
+async def _every(interval_s: float, work: Callable[[], object], what: str) -> None:
+    """Run blocking ``work`` in a worker thread every ``interval_s`` (never on the loop),
+    outliving any one failed run."""
     while True:
-        await asyncio.sleep(daemon.settings.reaper_interval_s)
+        await asyncio.sleep(interval_s)
         try:
-            daemon.sweep()
-        except Exception:  # the reaper must outlive any one bad sweep
-            log.exception("lease sweep failed")
+            await anyio.to_thread.run_sync(work)
+        except Exception:
+            log.exception("%s failed", what)
 
 
 def create_app(settings: DaemonSettings, daemon: Daemon | None = None) -> FastAPI:
@@ -35,14 +38,25 @@ def create_app(settings: DaemonSettings, daemon: Daemon | None = None) -> FastAP
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        daemon.start()
-        reaper = asyncio.create_task(_reaper(daemon))
+        await anyio.to_thread.run_sync(daemon.start)  # cleanup and directory work: a thread
+        tasks = [
+            asyncio.create_task(
+                _every(daemon.settings.reaper_interval_s, daemon.sweep, "lease sweep")
+            )
+        ]
+        if daemon.settings.scrub_interval_s > 0:
+            tasks.append(
+                asyncio.create_task(
+                    _every(daemon.settings.scrub_interval_s, daemon.scrub, "arena scrub")
+                )
+            )
         try:
             yield
         finally:
-            reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reaper
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             daemon.shutdown()
 
     app = FastAPI(

@@ -15,11 +15,13 @@ from service.errors import (
     MethodNotAllowedError,
     ModelLoadingError,
     NotFoundError,
+    UnauthorizedError,
     WeightCacheError,
 )
+from service.logsafe import get_logger
 from service.schemas.problem import Problem
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 REFUSED = "weight_cache.body_refused"  # scope key set once the body limit has answered
@@ -36,6 +38,8 @@ def problem_response(error: WeightCacheError, **headers: str) -> JSONResponse:
     body = error.problem_fields()
     if isinstance(error, ModelLoadingError):
         headers["Retry-After"] = str(error.extra.get("retry_after_s", 1))
+    if isinstance(error, UnauthorizedError):
+        headers["WWW-Authenticate"] = 'Bearer realm="weight-cache"'
     return JSONResponse(
         body, status_code=error.status, media_type=PROBLEM_MEDIA_TYPE, headers=headers or None
     )

@@ -10,6 +10,8 @@ which are carried as they are.
 from __future__ import annotations
 
 import enum
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,3 +210,75 @@ def kv_scale_names(dims: ModelDims) -> dict[str, tuple[str, ...]]:
                 f"{attn}.{kind}_scale",
             )
     return names
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d{1,9})\.")
+
+
+def check_dims(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
+    """Refuse a config whose sizes no tensor in the headers has, before anything is planned.
+
+    A config drives how much is planned (``num_hidden_layers`` layers of specs): a lying one
+    must cost milliseconds, not a plan per promised layer. Each size must show in at least one
+    tensor that defines it; a single tensor of the wrong shape is left for the planner to name.
+    """
+    layers = {int(m.group(1)) for name in shapes if (m := _LAYER.match(name))}
+    found = max(layers) + 1 if layers else 0
+    if dims.num_hidden_layers != found:
+        raise InvalidConfigError(
+            f"config.json says num_hidden_layers is {dims.num_hidden_layers}, the safetensors "
+            f"headers hold {found} layers",
+            file=source,
+            field="num_hidden_layers",
+        )
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+
+    def dims_of(*names_axes: tuple[str, int]) -> set[int]:
+        out = set()
+        for name, axis in names_axes:
+            shape = shapes.get(name)
+            if shape is not None and len(shape) == 2:
+                out.add(shape[axis])
+        return out
+
+    evidence = {
+        "hidden_size": (
+            dims.hidden_size,
+            dims_of(
+                ("model.embed_tokens.weight", 1),
+                ("lm_head.weight", 1),
+                (f"{attn}.q_proj.weight", 1),
+                (f"{attn}.o_proj.weight", 0),
+                (f"{mlp}.gate_proj.weight", 1),
+                (f"{mlp}.down_proj.weight", 0),
+            ),
+        ),
+        "vocab_size": (
+            dims.vocab_size,
+            dims_of(("model.embed_tokens.weight", 0), ("lm_head.weight", 0)),
+        ),
+        "intermediate_size": (
+            dims.intermediate_size,
+            dims_of(
+                (f"{mlp}.gate_proj.weight", 0),
+                (f"{mlp}.up_proj.weight", 0),
+                (f"{mlp}.down_proj.weight", 1),
+            ),
+        ),
+        "num_attention_heads": (
+            dims.q_size,
+            dims_of((f"{attn}.q_proj.weight", 0), (f"{attn}.o_proj.weight", 1)),
+        ),
+        "num_key_value_heads": (
+            dims.kv_size,
+            dims_of((f"{attn}.k_proj.weight", 0), (f"{attn}.v_proj.weight", 0)),
+        ),
+    }
+    for field_name, (promised, seen) in evidence.items():
+        if seen and promised not in seen:
+            raise InvalidConfigError(
+                f"config.json's {field_name} gives {promised}, but the tensors that carry it "
+                f"have {sorted(seen)}",
+                file=source,
+                field=field_name,
+            )

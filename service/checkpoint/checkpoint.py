@@ -1,14 +1,17 @@
 """A ModelOpt FP8 checkpoint on disk: configs, tensor index, fingerprint and reads.
 
 Opening validates everything that can be validated without reading weight data: the configs,
-the architecture, and every safetensors header. Weight shapes, dtypes and scale values are checked
-by the processing plan (``service.processing.plan``) before any memory is allocated.
+the architecture, every safetensors header, and that the config's sizes agree with the tensors
+the headers list. Weight shapes, dtypes and scale values are checked by the processing plan
+(``service.processing.plan``) before any memory is allocated.
+
+Every file is opened once, by descriptor (see :mod:`service.checkpoint.opened`), under a
+:class:`PathPolicy`; all reads go through those descriptors, so what was checked is what is read.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,23 +19,41 @@ from typing import Any
 
 import torch
 
-from service.checkpoint.architecture import ModelDims, read_dims
+from service.checkpoint.architecture import ModelDims, check_dims, read_dims
 from service.checkpoint.fingerprint import checkpoint_digests, full_digest, identity_files
-from service.checkpoint.quant_config import MODEL_CONFIG, QuantConfig, read_quant_config
+from service.checkpoint.opened import CheckpointDir, OpenedFile, PathPolicy, parse_json_object
+from service.checkpoint.quant_config import (
+    HF_QUANT_CONFIG,
+    MODEL_CONFIG,
+    QuantConfig,
+    quant_config_from,
+)
 from service.checkpoint.safetensors_files import (
     TensorInfo,
     TensorReader,
     index_tensors,
-    unreadable,
     weight_files,
 )
-from service.errors import CheckpointNotFoundError, InvalidConfigError
+from service.errors import CheckpointNotFoundError
 from service.schemas.manifest import CheckpointDigests
+
+
+def _read_json(file: OpenedFile) -> tuple[bytes, dict[str, Any]]:
+    try:
+        data = file.read_all()
+    finally:
+        file.close()
+    return data, parse_json_object(data, file)
 
 
 @dataclass
 class Checkpoint:
-    """An opened checkpoint; use as a context manager or call :meth:`close`."""
+    """An opened checkpoint; use as a context manager or call :meth:`close`.
+
+    Reads: :meth:`read` (a fresh tensor, optionally rows/columns of it) and :meth:`read_into`
+    (straight into caller-owned contiguous memory). Both are ``os.pread`` calls on descriptors
+    opened once: they release the GIL and may run from several threads at once.
+    """
 
     path: Path
     config: dict[str, Any]
@@ -44,35 +65,40 @@ class Checkpoint:
     _headers: dict[str, bytes] = field(repr=False)
 
     @classmethod
-    def open(cls, path: str | Path) -> Checkpoint:
-        directory = Path(path)
-        config_path = directory / MODEL_CONFIG
-        if not directory.is_dir():
-            raise CheckpointNotFoundError(
-                "checkpoint directory does not exist", file=str(directory)
-            )
-        if not config_path.is_file():
-            raise CheckpointNotFoundError("no config.json in the directory", file=str(config_path))
+    def open(cls, path: str | Path, policy: PathPolicy | None = None) -> Checkpoint:
+        """Open and validate; ``policy`` limits where files may be read from (default: any)."""
+        directory = CheckpointDir.open(path, policy)
+        files: list[OpenedFile] = []
         try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise unreadable(exc, config_path) or InvalidConfigError(
-                f"cannot parse config.json: {exc}", file=str(config_path)
-            ) from exc
-        if not isinstance(config, dict):
-            raise InvalidConfigError("config.json is not a JSON object", file=str(config_path))
-        quant = read_quant_config(directory, config)
-        dims = read_dims(config, str(config_path))
-        files, weight_map = weight_files(directory)
-        tensors, headers = index_tensors(files, weight_map)
+            config_file = directory.require_file(
+                MODEL_CONFIG, CheckpointNotFoundError, "no config.json in the directory"
+            )
+            config_bytes, config = _read_json(config_file)
+            configs = {MODEL_CONFIG: config_bytes}
+            hf_data = None
+            hf_file = directory.open_file(HF_QUANT_CONFIG)
+            if hf_file is not None:
+                configs[HF_QUANT_CONFIG], hf_data = _read_json(hf_file)
+            source = str(directory.path / MODEL_CONFIG)
+            quant = quant_config_from(directory.path, config, hf_data)
+            dims = read_dims(config, source)
+            files, weight_map = weight_files(directory)
+            tensors, headers = index_tensors(files, weight_map)
+            check_dims(dims, {name: info.shape for name, info in tensors.items()}, source)
+        except BaseException:
+            for f in files:
+                f.close()
+            raise
+        finally:
+            directory.close()
         return cls(
-            path=directory,
+            path=directory.path,
             config=config,
             dims=dims,
             quant=quant,
             tensors=tensors,
-            files=files,
-            _reader=TensorReader(tensors),
+            files=[f.path for f in files],
+            _reader=TensorReader(tensors, files),
             _headers=headers,
         )
 
@@ -97,6 +123,11 @@ class Checkpoint:
         cols: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         return self._reader.read(name, rows=rows, cols=cols)
+
+    def read_into(
+        self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        return self._reader.read_into(name, out, rows=rows)
 
     def close(self) -> None:
         self._reader.close()

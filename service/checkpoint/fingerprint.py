@@ -32,7 +32,8 @@ from pathlib import Path
 
 import xxhash
 
-from service.checkpoint.safetensors_files import INDEX_FILE, read_raw_header, weight_files
+from service.checkpoint.opened import CheckpointDir
+from service.checkpoint.safetensors_files import INDEX_FILE, read_header, weight_files
 from service.errors import CorruptFileError
 from service.schemas.manifest import CheckpointDigests
 
@@ -45,11 +46,14 @@ _FULL_CHUNK = 64 << 20
 _MASK64 = (1 << 64) - 1
 
 
-class IdentityTier(enum.StrEnum):
+class IdentityTier(str, enum.Enum):
     files = "files"
     sampled = "sampled"
     hf_blob = "hf_blob"
     full = "full"
+
+    def __str__(self) -> str:
+        return str(self.value)
 
 
 DEFAULT_TIER = IdentityTier.sampled
@@ -219,7 +223,18 @@ def checkpoint_fingerprint(
 ) -> Fingerprint:
     """This copy's digest at ``tier``, read from its files with the functions the daemon uses.
     ``headers`` (file name -> raw header bytes) spares re-reading them."""
-    weights, _ = weight_files(directory)
+    opened = CheckpointDir.open(directory)
+    try:
+        files, _ = weight_files(opened)
+        try:
+            weights = [f.path for f in files]
+            if headers is None and tier is IdentityTier.sampled:
+                headers = {f.name: read_header(f) for f in files}
+        finally:
+            for f in files:
+                f.close()
+    finally:
+        opened.close()
     with _typed(directory):
         return _fingerprint(directory, weights, tier, headers)
 
@@ -246,6 +261,5 @@ def _fingerprint(
         return Fingerprint(tier, hf_blob_digest(identity_files(directory, weights)))
     if tier is IdentityTier.full:
         return Fingerprint(tier, full_digest(identity_files(directory, weights)))
-    if headers is None:
-        headers = {f.name: read_raw_header(f) for f in weights}
+    assert headers is not None, "the sampled tier reads the headers first"
     return Fingerprint(tier, sampled_digest(directory, weights, headers))

@@ -12,14 +12,13 @@ wildcards.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
 from service.checkpoint.architecture import PACKED_MODULES
-from service.checkpoint.safetensors_files import unreadable
+from service.checkpoint.opened import CheckpointDir, parse_json_object
 from service.errors import InvalidConfigError, NotModelOptCheckpointError, UnsupportedQuantAlgoError
 from service.schemas.layout import Scheme
 
@@ -84,18 +83,6 @@ class QuantConfig:
         if self.is_excluded(prefix, dict(PACKED_MODULES)):
             return Scheme.unquantized
         return Scheme.fp8 if self.quant_algo == FP8 else Scheme.fp8_pc_pt
-
-
-def _load_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise unreadable(exc, path) or InvalidConfigError(
-            f"cannot parse {path.name}: {exc}", file=str(path)
-        ) from exc
-    if not isinstance(data, dict):
-        raise InvalidConfigError(f"{path.name} is not a JSON object", file=str(path))
-    return data
 
 
 def _normalise_algo(raw: Any, source: str) -> str:
@@ -174,12 +161,29 @@ def _from_quantization_config(qc: dict[str, Any], source: str) -> QuantConfig:
 
 
 def read_quant_config(directory: Path, model_config: dict[str, Any]) -> QuantConfig:
-    """The checkpoint's ModelOpt config; ``config.json`` wins over ``hf_quant_config.json`` as in
-    vLLM, and the two must agree on the algorithm when both are present."""
+    """The checkpoint's ModelOpt config, reading ``hf_quant_config.json`` from ``directory``."""
+    opened = CheckpointDir.open(directory)
+    try:
+        file = opened.open_file(HF_QUANT_CONFIG)
+        hf_data = None
+        if file is not None:
+            try:
+                hf_data = parse_json_object(file.read_all(), file)
+            finally:
+                file.close()
+    finally:
+        opened.close()
+    return quant_config_from(directory, model_config, hf_data)
+
+
+def quant_config_from(
+    directory: Path, model_config: dict[str, Any], hf_data: dict[str, Any] | None
+) -> QuantConfig:
+    """The checkpoint's ModelOpt config from config.json and the parsed ``hf_quant_config.json``
+    (None when absent); ``config.json`` wins over ``hf_quant_config.json`` as in vLLM, and the
+    two must agree on the algorithm when both are present."""
     hf_path = directory / HF_QUANT_CONFIG
-    from_hf = (
-        _from_hf_quant_config(_load_json(hf_path), str(hf_path)) if hf_path.is_file() else None
-    )
+    from_hf = _from_hf_quant_config(hf_data, str(hf_path)) if hf_data is not None else None
 
     qc = model_config.get("quantization_config")
     from_model: QuantConfig | None = None

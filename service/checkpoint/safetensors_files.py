@@ -1,30 +1,26 @@
-"""Safetensors files of a checkpoint: which files, which tensors, and their raw headers.
+"""Safetensors files of a checkpoint: which files, which tensors, their raw headers, and reads.
 
-Validation is the ``safetensors`` library's own (it refuses truncated files, headers whose
-offsets do not tile the data, oversized headers and bad JSON on open); this module turns its
-errors into :class:`~service.errors.CorruptFileError` naming the file, and keeps the raw header
-bytes for the checkpoint fingerprint.
+Every file is opened once (:mod:`service.checkpoint.opened`) and read through its descriptor.
+Headers are validated here with the ``safetensors`` format's own rules (bounded header length,
+a JSON object of ``dtype``/``shape``/``data_offsets`` entries plus an optional string-to-string
+``__metadata__``, offsets that tile the data exactly with every tensor's size matching its shape),
+so a hostile file is refused before anything trusts it; errors are
+:class:`~service.errors.CorruptFileError` naming the file. The raw header bytes are kept for the
+checkpoint fingerprint.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 
-from service.errors import (
-    CheckpointError,
-    CorruptFileError,
-    InvalidConfigError,
-    MissingTensorError,
-    PermissionDeniedError,
-)
+from service.checkpoint.opened import CheckpointDir, OpenedFile, parse_json_object
+from service.errors import CorruptFileError, InvalidConfigError, MissingTensorError
 
 INDEX_FILE = "model.safetensors.index.json"
 # Larger than any real header (a 70B model's is ~100 KB); bounds what a lying length can cost.
@@ -54,6 +50,7 @@ class TensorInfo:
     file: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
+    offset: int = 0  # of its first byte in the file
 
     @property
     def numel(self) -> int:
@@ -67,113 +64,159 @@ class TensorInfo:
         return self.numel * self.dtype.itemsize
 
 
-def unreadable(exc: BaseException, path: Path) -> PermissionDeniedError | None:
-    """A permission error, however the failing library reported it (safetensors says "No such
-    file" for a file it may not open): asks the OS whether this process may read ``path``."""
-    if isinstance(exc, PermissionError) or (path.exists() and not os.access(path, os.R_OK)):
-        return PermissionDeniedError(
-            f"the daemon (uid {os.getuid()}) may not read this file", file=str(path)
-        )
-    return None
-
-
-def file_error(exc: BaseException, path: Path, tensor: str | None = None) -> CheckpointError:
-    """The typed error for a safetensors file that failed to open or read."""
-    return unreadable(exc, path) or CorruptFileError(str(exc), file=str(path), tensor=tensor)
-
-
-def read_raw_header(path: Path) -> bytes:
+def read_header(file: OpenedFile) -> bytes:
     """The JSON header bytes exactly as stored (for fingerprints), bounded in size."""
+    if file.size < 8:
+        raise CorruptFileError("file shorter than the 8-byte header length", file=str(file.path))
+    (length,) = struct.unpack("<Q", file.pread(0, 8))
+    if length > MAX_HEADER_BYTES or length > file.size - 8:
+        raise CorruptFileError(
+            f"header length {length} exceeds the file ({file.size} bytes) or the "
+            f"{MAX_HEADER_BYTES}-byte limit",
+            file=str(file.path),
+        )
+    return file.pread(8, length)
+
+
+def _shape(raw: Any) -> tuple[int, ...] | None:
+    if not isinstance(raw, list):
+        return None
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw):
+        return None
+    return tuple(raw)
+
+
+def parse_header(file: OpenedFile, raw: bytes) -> dict[str, TensorInfo]:
+    """Every tensor the header describes, validated against the file's size."""
+    where = str(file.path)
     try:
-        with path.open("rb") as f:
-            prefix = f.read(8)
-            if len(prefix) != 8:
-                raise CorruptFileError("file shorter than the 8-byte header length", file=str(path))
-            (length,) = struct.unpack("<Q", prefix)
-            size = path.stat().st_size
-            if length > MAX_HEADER_BYTES or length > size - 8:
-                raise CorruptFileError(
-                    f"header length {length} exceeds the file ({size} bytes) or the "
-                    f"{MAX_HEADER_BYTES}-byte limit",
-                    file=str(path),
-                )
-            raw = f.read(length)
-    except OSError as exc:
-        raise unreadable(exc, path) or CorruptFileError(
-            f"cannot read: {exc}", file=str(path)
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CorruptFileError(
+            f"header is not valid JSON: {type(exc).__name__}", file=where
         ) from exc
-    return raw
-
-
-def weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
-    """The checkpoint's safetensors files and, when sharded, the index's weight map."""
-    index_path = directory / INDEX_FILE
-    if index_path.is_file():
-        try:
-            index = json.loads(index_path.read_text(encoding="utf-8"))
-            weight_map = index["weight_map"]
-            if not isinstance(weight_map, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-            ):
-                raise TypeError("weight_map must map tensor names to file names")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise unreadable(exc, index_path) or InvalidConfigError(
-                f"bad {INDEX_FILE}: {exc}", file=str(index_path)
-            ) from exc
-        files = []
-        for name in sorted(set(weight_map.values())):
-            path = (directory / name).resolve()
-            if path.parent != directory.resolve():
-                raise InvalidConfigError(
-                    f"{INDEX_FILE} names a file outside the checkpoint: {name!r}",
-                    file=str(index_path),
-                )
-            if not path.is_file():
-                raise MissingTensorError(
-                    f"shard {name} listed in {INDEX_FILE} does not exist", file=str(path)
-                )
-            files.append(directory / name)
-        return files, weight_map
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise MissingTensorError("no .safetensors files in the checkpoint", file=str(directory))
-    return files, None
-
-
-def _index_one(path: Path) -> tuple[bytes, dict[str, TensorInfo]]:
-    try:
-        with safe_open(str(path), framework="pt") as f:  # validates header and offsets
-            names = list(f.keys())
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise file_error(exc, path) from exc
-    raw = read_raw_header(path)
-    header: dict[str, Any] = json.loads(raw)
+    if not isinstance(header, dict):
+        raise CorruptFileError("header is not a JSON object", file=where)
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (
+        isinstance(metadata, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        raise CorruptFileError("__metadata__ must map strings to strings", file=where)
+    data_start = 8 + len(raw)
+    spans: list[tuple[int, int, str]] = []
     infos: dict[str, TensorInfo] = {}
-    for name in names:
-        entry = header[name]
-        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+    for name, entry in header.items():
+        if not isinstance(entry, dict):
+            raise CorruptFileError("header entry is not an object", file=where, tensor=name)
+        dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
         if dtype is None:
             raise CorruptFileError(
-                f"unsupported safetensors dtype {entry['dtype']}", file=str(path), tensor=name
+                f"unsupported safetensors dtype {str(entry.get('dtype'))[:32]!r}",
+                file=where,
+                tensor=name,
             )
-        infos[name] = TensorInfo(name, path, dtype, tuple(int(d) for d in entry["shape"]))
-    return raw, infos
+        shape = _shape(entry.get("shape"))
+        offsets = _shape(entry.get("data_offsets"))
+        if shape is None or offsets is None or len(offsets) != 2 or offsets[0] > offsets[1]:
+            raise CorruptFileError(
+                "shape or data_offsets are not lists of non-negative integers (data offsets "
+                "must be [start, end])",
+                file=where,
+                tensor=name,
+            )
+        info = TensorInfo(name, file.path, dtype, shape, data_start + offsets[0])
+        if info.nbytes != offsets[1] - offsets[0]:
+            raise CorruptFileError(
+                f"shape {list(shape)} of {dtype} needs {info.nbytes} bytes but its data "
+                f"offsets span {offsets[1] - offsets[0]}",
+                file=where,
+                tensor=name,
+            )
+        spans.append((offsets[0], offsets[1], name))
+        infos[name] = info
+    end = 0
+    for start, stop, name in sorted(spans):
+        if start != end:
+            raise CorruptFileError(
+                f"data offsets do not tile the data: {name} starts at {start}, expected {end}",
+                file=where,
+                tensor=name,
+            )
+        end = stop
+    if data_start + end != file.size:
+        raise CorruptFileError(
+            f"data offsets cover {end} bytes but the file holds {file.size - data_start} "
+            "after the header (truncated or padded)",
+            file=where,
+        )
+    return infos
+
+
+def weight_files(directory: CheckpointDir) -> tuple[list[OpenedFile], dict[str, str] | None]:
+    """The checkpoint's safetensors files, opened, and, when sharded, the index's weight map."""
+    index_file = directory.open_file(INDEX_FILE)
+    names: list[str]
+    weight_map: dict[str, str] | None = None
+    if index_file is not None:
+        try:
+            index = parse_json_object(index_file.read_all(), index_file)
+        finally:
+            index_file.close()
+        raw_map = index.get("weight_map")
+        if not isinstance(raw_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in raw_map.items()
+        ):
+            raise InvalidConfigError(
+                f"bad {INDEX_FILE}: weight_map must map tensor names to file names",
+                file=str(index_file.path),
+            )
+        weight_map = raw_map
+        names = sorted(set(weight_map.values()))
+        for name in names:
+            if not name or "/" in name or "\0" in name or name in (".", ".."):
+                raise InvalidConfigError(
+                    f"{INDEX_FILE} names a file outside the checkpoint: {name[:256]!r}",
+                    file=str(index_file.path),
+                )
+    else:
+        names = directory.names(".safetensors")
+        if not names:
+            raise MissingTensorError(
+                "no .safetensors files in the checkpoint", file=str(directory.path)
+            )
+    files: list[OpenedFile] = []
+    try:
+        for name in names:
+            opened = directory.open_file(name)
+            if opened is None:
+                raise MissingTensorError(
+                    f"shard {name} listed in {INDEX_FILE} does not exist",
+                    file=str(directory.path / name),
+                )
+            files.append(opened)
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
+    return files, weight_map
 
 
 def index_tensors(
-    files: list[Path], weight_map: dict[str, str] | None
+    files: list[OpenedFile], weight_map: dict[str, str] | None
 ) -> tuple[dict[str, TensorInfo], dict[str, bytes]]:
     """Every tensor across the files (validated), and each file's raw header."""
     tensors: dict[str, TensorInfo] = {}
     headers: dict[str, bytes] = {}
-    for path in files:
-        raw, infos = _index_one(path)
-        headers[path.name] = raw
+    for file in files:
+        raw = read_header(file)
+        infos = parse_header(file, raw)
+        headers[file.name] = raw
         for name, info in infos.items():
             if name in tensors:
                 raise CorruptFileError(
                     f"tensor stored twice (also in {tensors[name].file.name})",
-                    file=str(path),
+                    file=str(file.path),
                     tensor=name,
                 )
             tensors[name] = info
@@ -189,22 +232,36 @@ def index_tensors(
     return tensors, headers
 
 
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
 class TensorReader:
-    """Reads tensors (or row/column ranges of them) through open safetensors handles."""
+    """Reads tensors (or row ranges of them) with ``os.pread`` on the opened files: one copy,
+    from the page cache into the destination, with the GIL released (threads may read in
+    parallel). A file truncated while open gives :class:`CorruptFileError`, never a SIGBUS."""
 
-    def __init__(self, tensors: dict[str, TensorInfo]) -> None:
+    def __init__(self, tensors: dict[str, TensorInfo], files: list[OpenedFile]) -> None:
         self._tensors = tensors
-        self._handles: dict[Path, Any] = {}
+        self._files = {f.path: f for f in files}
 
-    def _handle(self, path: Path) -> Any:
-        handle = self._handles.get(path)
-        if handle is None:
-            try:
-                handle = safe_open(str(path), framework="pt")
-            except (SafetensorError, OSError) as exc:
-                raise file_error(exc, path) from exc
-            self._handles[path] = handle
-        return handle
+    def _locate(
+        self, name: str, rows: tuple[int, int] | None
+    ) -> tuple[TensorInfo, OpenedFile, int, tuple[int, ...]]:
+        """The tensor's file, the offset of ``rows`` and the shape read."""
+        info = self._tensors.get(name)
+        if info is None:
+            raise MissingTensorError("tensor not in the checkpoint", tensor=name)
+        file = self._files.get(info.file)
+        if file is None or file.fd < 0:
+            raise CorruptFileError("checkpoint file is closed", file=str(info.file), tensor=name)
+        if rows is None or not info.shape:
+            return info, file, info.offset, info.shape
+        n = info.shape[0]
+        start, stop = max(0, min(rows[0], n)), max(0, min(rows[1], n))
+        stop = max(start, stop)
+        row_bytes = info.nbytes // n if n else 0
+        return info, file, info.offset + start * row_bytes, (stop - start, *info.shape[1:])
 
     def read(
         self,
@@ -212,21 +269,33 @@ class TensorReader:
         rows: tuple[int, int] | None = None,
         cols: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """The tensor, optionally narrowed to ``rows``/``cols`` (half-open ranges)."""
-        info = self._tensors.get(name)
-        if info is None:
-            raise MissingTensorError("tensor not in the checkpoint", tensor=name)
-        try:
-            # get_tensor maps the file without copying; narrowing keeps it a view, so the one
-            # copy is the caller's, straight from the page cache into its destination.
-            tensor: torch.Tensor = self._handle(info.file).get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-            raise file_error(exc, info.file, name) from exc
-        if rows is not None:
-            tensor = tensor[rows[0] : rows[1]]
+        """The tensor, optionally narrowed to ``rows``/``cols`` (half-open ranges). Rows are
+        read alone (they are contiguous); columns are a view of the rows read."""
+        info, file, offset, shape = self._locate(name, rows)
+        tensor = torch.empty(shape, dtype=info.dtype)
+        if tensor.numel():
+            file.readinto(offset, _byte_view(tensor))
         if cols is not None:
             tensor = tensor[:, cols[0] : cols[1]]
         return tensor
 
+    def read_into(
+        self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """Read the tensor (or ``rows`` of it) straight into ``out``, a contiguous CPU tensor
+        of the same number of bytes (no intermediate buffer)."""
+        info, file, offset, shape = self._locate(name, rows)
+        nbytes = info.dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        if not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError("read_into needs a contiguous CPU tensor")
+        if out.numel() * out.element_size() != nbytes:
+            raise ValueError(f"{name}: destination holds {out.nbytes} bytes, source {nbytes}")
+        if nbytes:
+            file.readinto(offset, _byte_view(out))
+        return out
+
     def close(self) -> None:
-        self._handles.clear()
+        for file in self._files.values():
+            file.close()

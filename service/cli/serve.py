@@ -296,6 +296,29 @@ def _settings_options(command: F) -> F:
             help=f"Threads that process a load [default: cores - 1; env: {_env('load_threads')}].",
         ),
         click.option(
+            "--shm-group",
+            help="Group that may map CPU arenas (directory 0750, files 0640) [default: owner "
+            f"only; env: {_env('shm_group')}].",
+        ),
+        click.option(
+            "--scrub-interval",
+            "scrub_interval_s",
+            type=float,
+            help="Re-check resident arenas against their checksums every N seconds [default: 0, "
+            f"off; env: {_env('scrub_interval_s')}].",
+        ),
+        click.option(
+            "--max-leases",
+            type=int,
+            help=f"Most active leases in all [default: 4096; env: {_env('max_leases')}].",
+        ),
+        click.option(
+            "--max-leases-per-client",
+            type=int,
+            help="Most active leases of one client PID [default: 256; "
+            f"env: {_env('max_leases_per_client')}].",
+        ),
+        click.option(
             "--keep-going/--no-keep-going",
             default=None,
             help="Keep serving when a startup model fails to load, and report ready once every "
@@ -339,14 +362,16 @@ def _run(settings: DaemonSettings, listener: socket.socket) -> Daemon:
     import uvicorn
 
     from service.api.app import create_app
+    from service.api.server import server_config
     from service.daemon import Daemon
 
     keep_responsive(settings.load_threads)
     daemon = Daemon(settings)
     app = create_app(settings, daemon)
     # log_config=None and no log_level: uvicorn's loggers keep the handler and level that
-    # --log-level and --log-format gave the whole process.
-    config = uvicorn.Config(app, log_config=None, log_level=None, access_log=False)
+    # --log-level and --log-format gave the whole process. The guarded protocol bounds
+    # connections, header size and the time to send a request.
+    config = server_config(app, settings, log_config=None, log_level=None)
     server = uvicorn.Server(config)
 
     def stop() -> None:

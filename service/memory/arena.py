@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from service.errors import InsufficientMemoryError
+from service.errors import InsufficientMemoryError, ShmDirError
 from service.memory.cuda_ipc import export_cuda_arena
 from service.memory.devices import Placement
 from service.memory.layout import ArenaLayout
-from service.memory.shm import ShmFile
+from service.memory.shm import ArenaDir, ShmFile
 from service.processing.plan import TensorSpec
 from service.schemas.manifest import ArenaHandle, DeviceIdentity, DeviceKind, ShmHandle
 
@@ -64,7 +64,12 @@ class Arena(abc.ABC):
 
 class ShmArena(Arena):
     def __init__(
-        self, layout: ArenaLayout, device: DeviceIdentity, directory: Path, boot_id: str, label: str
+        self,
+        layout: ArenaLayout,
+        device: DeviceIdentity,
+        directory: ArenaDir,
+        boot_id: str,
+        label: str,
     ) -> None:
         super().__init__(layout, device)
         self._boot_id = boot_id
@@ -138,10 +143,12 @@ class CudaArena(Arena):
 
 
 def allocate_arena(
-    layout: ArenaLayout, placement: Placement, shm_dir: Path, boot_id: str, label: str
+    layout: ArenaLayout, placement: Placement, arena_dir: ArenaDir | None, boot_id: str, label: str
 ) -> Arena:
     device = placement.identity()
     if placement.kind is DeviceKind.cpu:
-        return ShmArena(layout, device, shm_dir, boot_id, label)
+        if arena_dir is None:
+            raise ShmDirError("no shared-memory arena directory (see --shm-dir)")
+        return ShmArena(layout, device, arena_dir, boot_id, label)
     assert placement.index is not None
     return CudaArena(layout, device, placement.index)

@@ -369,6 +369,13 @@ class _Planner:
                     file=str(info.file),
                     tensor=name,
                 )
+            if info.dtype not in FLOAT_DTYPES:
+                raise TensorDtypeError(
+                    f"dtype is {info.dtype}; a tensor carried as stored must be "
+                    f"{' or '.join(str(d) for d in FLOAT_DTYPES)}",
+                    file=str(info.file),
+                    tensor=name,
+                )
             out.append(self._carried_one(name, info))
         return out
 

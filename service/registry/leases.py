@@ -9,9 +9,10 @@ recognised as such rather than reported as unknown.
 from __future__ import annotations
 
 import enum
+import heapq
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,7 +59,13 @@ class Lease:
 
 
 class LeaseTable:
-    """Active leases and the recently ended ones. Callers hold the daemon lock."""
+    """Active leases and the recently ended ones. Callers hold the daemon lock.
+
+    Every operation costs O(log n) at most: expiries sit in a heap (a renewal pushes a new
+    entry; stale ones are skipped when they surface), leases are counted per model and per
+    client PID as they come and go, and the reaper checks each distinct client PID once per
+    sweep, not each lease.
+    """
 
     def __init__(
         self, boot_id: str, on_end: Callable[[Lease, LeaseEnd], None] | None = None
@@ -67,24 +74,40 @@ class LeaseTable:
         self.on_end = on_end
         self.active: dict[str, Lease] = {}
         self.ended: OrderedDict[str, LeaseEnd] = OrderedDict()
+        self._expiries: list[tuple[float, str]] = []
+        self._by_model: Counter[str] = Counter()
+        # Client PID -> its leases. All share one process start time: a lease from a reused
+        # PID ends the earlier process's leases first (see add).
+        self._by_pid: dict[int, set[str]] = {}
 
     def add(
         self, model: str, tp_rank: int, tp_size: int, client_pid: int, ttl_s: float, now: float
     ) -> Lease:
-        started = process_start(client_pid)
+        started = process_start(client_pid)  # procfs: memory, never a disk or a FIFO
+        pid_start = started[0] if started else None
+        known = self._start_of(client_pid)
+        if known is not None and pid_start is not None and known != pid_start:
+            self.reap(client_pid, known)  # the PID was reused: its earlier process is gone
         lease = Lease(
             id=f"{self.boot_id}.{secrets.token_hex(12)}",
             model=model,
             tp_rank=tp_rank,
             tp_size=tp_size,
             client_pid=client_pid,
-            pid_start=started[0] if started else None,
+            pid_start=pid_start,
             granted_at=now,
             expires_at=now + ttl_s,
             ttl_s=ttl_s,
         )
         self.active[lease.id] = lease
+        heapq.heappush(self._expiries, (lease.expires_at, lease.id))
+        self._by_model[model] += 1
+        self._by_pid.setdefault(client_pid, set()).add(lease.id)
         return lease
+
+    def _start_of(self, pid: int) -> int | None:
+        ids = self._by_pid.get(pid)
+        return self.active[next(iter(ids))].pid_start if ids else None
 
     def get(self, lease_id: str, now: float) -> Lease:
         lease = self.active.get(lease_id)
@@ -109,11 +132,20 @@ class LeaseTable:
             lease.ttl_s = ttl_s
         lease.expires_at = now + lease.ttl_s
         lease.renewals += 1
+        heapq.heappush(self._expiries, (lease.expires_at, lease.id))
         return lease
 
     def end(self, lease_id: str, how: LeaseEnd) -> Lease | None:
         lease = self.active.pop(lease_id, None)
         if lease is not None:
+            self._by_model[lease.model] -= 1
+            if not self._by_model[lease.model]:
+                del self._by_model[lease.model]
+            ids = self._by_pid.get(lease.client_pid)
+            if ids is not None:
+                ids.discard(lease_id)
+                if not ids:
+                    del self._by_pid[lease.client_pid]
             self.ended[lease_id] = how
             while len(self.ended) > _REMEMBERED_ENDINGS:
                 self.ended.popitem(last=False)
@@ -124,22 +156,54 @@ class LeaseTable:
     def count(self, model: str | None = None) -> int:
         if model is None:
             return len(self.active)
-        return sum(1 for lease in self.active.values() if lease.model == model)
+        return self._by_model.get(model, 0)
+
+    def count_client(self, client_pid: int) -> int:
+        return len(self._by_pid.get(client_pid, ()))
+
+    def expire(self, now: float) -> list[tuple[Lease, LeaseEnd]]:
+        """End leases past their expiry: O(log n) for each one ended or renewed since."""
+        ended = []
+        heap = self._expiries
+        while heap and heap[0][0] < now:
+            _, lease_id = heapq.heappop(heap)
+            lease = self.active.get(lease_id)
+            if lease is None or lease.expires_at >= now:
+                continue  # ended already, or renewed (a later entry stands for it)
+            self.end(lease_id, LeaseEnd.expired)
+            ended.append((lease, LeaseEnd.expired))
+        if len(heap) > 4 * len(self.active) + 1024:  # renewals left many stale entries
+            self._expiries = [(x.expires_at, x.id) for x in self.active.values()]
+            heapq.heapify(self._expiries)
+        return ended
+
+    def watched(self) -> list[tuple[int, int]]:
+        """(PID, start time) of every client the daemon can watch: one entry per process."""
+        watched = []
+        for pid in self._by_pid:
+            start = self._start_of(pid)
+            if start is not None:
+                watched.append((pid, start))
+        return watched
+
+    def reap(self, pid: int, start: int) -> list[tuple[Lease, LeaseEnd]]:
+        """End every lease of the (dead) process ``pid`` that started at ``start``."""
+        ended = []
+        for lease_id in list(self._by_pid.get(pid, ())):
+            if self.active[lease_id].pid_start != start:
+                continue  # a lease of the process that now has this PID
+            lease = self.end(lease_id, LeaseEnd.reaped)
+            if lease is not None:
+                ended.append((lease, LeaseEnd.reaped))
+        return ended
 
     def sweep(self, now: float) -> list[tuple[Lease, LeaseEnd]]:
-        """End leases past expiry or whose client is gone; returns what ended and why."""
-        ended = []
-        for lease in list(self.active.values()):
-            if now > lease.expires_at:
-                how = LeaseEnd.expired
-            elif lease.pid_start is not None and not process_alive(
-                lease.client_pid, lease.pid_start
-            ):
-                how = LeaseEnd.reaped
-            else:
-                continue
-            self.end(lease.id, how)
-            ended.append((lease, how))
+        """End leases past expiry or whose client is gone (all in one call, under the
+        caller's lock; the daemon's reaper splits the PID checks out of the lock instead)."""
+        ended = self.expire(now)
+        for pid, start in self.watched():
+            if not process_alive(pid, start):
+                ended += self.reap(pid, start)
         return ended
 
     @staticmethod

@@ -19,11 +19,13 @@ import torch
 import xxhash
 
 from service.checkpoint import Checkpoint
+from service.checkpoint.opened import PathPolicy
 from service.dtypes import to_wire
 from service.errors import InsufficientMemoryError
 from service.memory.arena import Arena, ShmArena, allocate_arena
 from service.memory.devices import Placement
 from service.memory.layout import pack
+from service.memory.shm import ArenaDir
 from service.processing import ModelPlan, execute_plan, plan_model
 from service.processing.execute import StorageFor
 from service.processing.fill import FileRange
@@ -74,7 +76,8 @@ class LoadRequest:
     path: Path
     tp_size: int
     placements: list[Placement]
-    shm_dir: Path
+    policy: PathPolicy  # where the checkpoint's files may be read from
+    arena_dir: ArenaDir | None  # where CPU arenas go (None: no shared memory)
     daemon: DaemonIdentity
     # Claims bytes of the daemon's memory budget for this load; raises if they do not fit.
     reserve: Callable[[int], None]
@@ -112,11 +115,11 @@ def _check_budget(req: LoadRequest, needed: int) -> None:
                     needed=share,
                     available=free,
                 )
-        else:
-            free = shutil.disk_usage(req.shm_dir).free
+        elif req.arena_dir is not None:
+            free = shutil.disk_usage(req.arena_dir.path).free
             if needed > free:
                 raise InsufficientMemoryError(
-                    f"model needs {needed} bytes of shared memory, {req.shm_dir} has {free}",
+                    f"model needs {needed} bytes of shared memory, {req.arena_dir.path} has {free}",
                     needed=needed,
                     available=free,
                 )
@@ -161,7 +164,7 @@ def _manifest(
 def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
     """Load every rank of a model; raises a typed error and holds nothing on failure."""
     arenas: list[Arena] = []
-    ckpt = Checkpoint.open(req.path)
+    ckpt = Checkpoint.open(req.path, req.policy)
     identity = CheckpointIdentity(
         path=str(ckpt.path),
         fingerprint=ckpt.fingerprint,
@@ -203,7 +206,7 @@ def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
 
         for plan, layout, placement in zip(plans, layouts, req.placements, strict=True):
             label = f"{req.model_id}-r{plan.tp_rank}"
-            arena = allocate_arena(layout, placement, req.shm_dir, req.daemon.boot_id, label)
+            arena = allocate_arena(layout, placement, req.arena_dir, req.daemon.boot_id, label)
             arenas.append(arena)
 
             with _destinations(arena) as storage_for:

@@ -11,7 +11,7 @@ _NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 
 
 class LeaseRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "0" is not 0, true is not 1.0
 
     model: str = Field(min_length=1, max_length=128)
     tp_rank: int = Field(ge=0, le=63)
@@ -32,7 +32,7 @@ class LeaseRequest(BaseModel):
 
 
 class RenewRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     ttl_s: float | None = Field(default=None, gt=0, le=MAX_TTL_S)
 

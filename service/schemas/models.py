@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import os
 import re
 from pathlib import Path
 
@@ -15,7 +16,8 @@ MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 def default_model_id(path: Path) -> str:
     """A valid model id made from a checkpoint's directory name."""
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", path.resolve().name).lstrip("._-")
+    real = Path(os.path.realpath(path))  # never raises, even on a symlink loop
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", real.name).lstrip("._-")
     return (name or "model")[:128]
 
 
@@ -26,7 +28,7 @@ class ModelState(str, enum.Enum):
 
 
 class LoadModelRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     path: str = Field(
         min_length=1, max_length=4096, pattern=r"^[^\x00]+$", description="checkpoint directory"

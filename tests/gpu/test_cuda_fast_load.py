@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from service.checkpoint import Checkpoint
+from service.checkpoint.opened import PathPolicy
 from service.memory.checksum import storage_checksum
 from service.memory.devices import Placement
+from service.memory.shm import ArenaDir
 from service.processing import fill as fill_module
 from service.processing import load_processed, plan_model
 from service.registry.loader import LoadRequest, Progress, load_model
@@ -62,7 +64,8 @@ def _cuda_request(path: Path, shm: Path, tp: int) -> LoadRequest:
         path=path,
         tp_size=tp,
         placements=[Placement(DeviceKind.cuda, 0)] * tp,  # every rank on GPU 0 is allowed here
-        shm_dir=shm,
+        policy=PathPolicy(),
+        arena_dir=ArenaDir.prepare(shm),
         reserve=lambda nbytes: None,
         opened=lambda ckpt: None,
         daemon=DaemonIdentity(

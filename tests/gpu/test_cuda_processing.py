@@ -11,6 +11,7 @@ import torch
 
 from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear
 from service.checkpoint import Checkpoint
+from service.checkpoint.opened import PathPolicy
 from service.memory.devices import Placement
 from service.processing import load_processed, plan_model
 from service.processing.fp8 import FP8_DTYPE, dequantize_to_fp16, quantize_static
@@ -56,7 +57,8 @@ def test_cuda_arena_holds_the_ordinary_load(
         path=path,
         tp_size=1,
         placements=[Placement(DeviceKind.cuda, 0)],
-        shm_dir=tmp_path,
+        policy=PathPolicy(),
+        arena_dir=None,
         reserve=lambda nbytes: None,
         opened=lambda ckpt: None,
         daemon=DaemonIdentity(

@@ -17,7 +17,7 @@ from engine_client.loading import load_weights
 from engine_client.verify import Expectations
 from service.demo import write_demo_checkpoint
 from service.errors import DaemonRestartedError
-from service.memory.shm import map_read_only
+from service.memory.shm import arena_dir_path, map_read_only
 from tests.daemon_process import free_port, lease_body, start_daemon, wait_for
 
 CPU = torch.device("cpu")
@@ -73,7 +73,7 @@ def test_daemon_killed_and_restarted(tmp_path: Path, tiny_fp8: Path) -> None:
     att = attach("tiny", expect, config=config, ttl_s=60, renew_every_s=0.1)
     lost: list[Exception] = []
     att.on_lost.append(lost.append)
-    old_files = sorted(shm.iterdir())
+    old_files = sorted(arena_dir_path(shm).iterdir())
     weight = att.layers[0].weight
     before = att.tensors[weight].clone()
     first.stop(signal.SIGKILL)
@@ -82,7 +82,7 @@ def test_daemon_killed_and_restarted(tmp_path: Path, tiny_fp8: Path) -> None:
 
     second = start_daemon(tmp_path, [tiny_fp8], "--model-id", "tiny", port=port, shm_dir=shm)
     try:
-        new_files = sorted(shm.iterdir())
+        new_files = sorted(arena_dir_path(shm).iterdir())
         assert len(new_files) == 1 and new_files != old_files  # the dead daemon's arena is gone
         assert "removed stale shared-memory arena" in second.log.read_text()
         wait_for(lambda: bool(lost))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
 
 from service.api.problems import problem_responses
 from service.api.routes.deps import DaemonDep
@@ -13,4 +14,4 @@ router = APIRouter(prefix="/v1", tags=["inventory"], responses=problem_responses
 
 @router.get("/inventory", response_model=Inventory, summary="Devices, cache memory and models")
 async def inventory(daemon: DaemonDep) -> Inventory:
-    return daemon.inventory()
+    return await run_in_threadpool(daemon.inventory)  # statvfs of the shm dir: a thread

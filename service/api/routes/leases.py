@@ -21,7 +21,7 @@ LeaseId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]
     response_model=LeaseGrant,
     status_code=status.HTTP_201_CREATED,
     summary="Lease one TP rank of a model: its handles and full layout manifest",
-    responses=problem_responses(404, 409, 503),
+    responses=problem_responses(404, 409, 429, 503),
 )
 async def grant(body: LeaseRequest, daemon: DaemonDep) -> Response:
     start = time.perf_counter()

@@ -30,7 +30,8 @@ async def list_models(daemon: DaemonDep) -> list[ModelInfo]:
     responses=problem_responses(403, 404, 409),
 )
 async def load_model(body: LoadModelRequest, response: Response, daemon: DaemonDep) -> ModelInfo:
-    record = daemon.load(Path(body.path), body.id, body.tp_size)
+    # Opening and checking the directory is filesystem work: never on the event loop.
+    record = await run_in_threadpool(daemon.load, Path(body.path), body.id, body.tp_size)
     response.headers["Location"] = f"/v1/models/{record.id}"
     return daemon.model_info(record)
 

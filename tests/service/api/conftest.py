@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 
 from service.api.app import create_app
 from service.daemon import Daemon
+from service.memory.shm import arena_dir_path
 from tests.daemon_process import lease_body, make_settings
 
 
@@ -62,7 +63,7 @@ def serve(tmp_path: Path, tiny_fp8: Path, demo_root: Path):
         client = TestClient(app, raise_server_exceptions=False)
         client.__enter__()
         stack.append(client)
-        served = Served(client, app.state.daemon, settings.shm_dir)
+        served = Served(client, app.state.daemon, arena_dir_path(settings.shm_dir))
         if settings.models and wait:
             served.wait_ready(settings.model_id or "tiny")
         return served

@@ -150,3 +150,31 @@ def test_index_escaping_the_directory(tmp_path: Path) -> None:
     index_path.write_text(json.dumps(index))
     with pytest.raises(InvalidConfigError, match="outside the checkpoint"):
         Checkpoint.open(path)
+
+
+def test_read_into_and_parallel_reads(tiny_fp8: Path) -> None:
+    """Reads are preads on descriptors opened once: straight into caller memory, and safe
+    from several threads at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with Checkpoint.open(tiny_fp8) as ckpt:
+        names = sorted(ckpt.tensors)
+        for name in names:
+            info = ckpt.tensors[name]
+            out = torch.empty(info.shape, dtype=info.dtype)
+            ckpt.read_into(name, out)
+            assert torch.equal(
+                out.reshape(-1).view(torch.uint8), ckpt.read(name).reshape(-1).view(torch.uint8)
+            )
+        q = "model.layers.0.self_attn.q_proj.weight"
+        rows = torch.empty((8, ckpt.tensors[q].shape[1]), dtype=ckpt.tensors[q].dtype)
+        ckpt.read_into(q, rows, rows=(8, 16))
+        assert torch.equal(rows.view(torch.uint8), ckpt.read(q)[8:16].view(torch.uint8))
+        with pytest.raises(ValueError, match="bytes"):
+            ckpt.read_into(q, torch.empty(3, dtype=torch.uint8))
+        with ThreadPoolExecutor(4) as pool:
+            together = list(
+                pool.map(lambda n: ckpt.read(n).reshape(-1).view(torch.uint8), names * 4)
+            )
+        for i, name in enumerate(names * 4):
+            assert torch.equal(together[i], ckpt.read(name).reshape(-1).view(torch.uint8))

@@ -17,10 +17,12 @@ import torch
 from hypothesis import given, settings
 
 from service.checkpoint import Checkpoint
+from service.checkpoint.opened import PathPolicy
 from service.demo import write_demo_checkpoint
 from service.errors import CorruptFileError
 from service.memory.checksum import storage_checksum
 from service.memory.devices import Placement
+from service.memory.shm import ArenaDir
 from service.processing import fill as fill_module
 from service.processing import load_processed, plan_model
 from service.processing.execute import plan_jobs, requantize_maps
@@ -61,7 +63,8 @@ def shm_request(path: Path, shm: Path, tp: int) -> LoadRequest:
         path=path,
         tp_size=tp,
         placements=[Placement(DeviceKind.cpu)] * tp,
-        shm_dir=shm,
+        policy=PathPolicy(),
+        arena_dir=ArenaDir.prepare(shm),
         reserve=lambda nbytes: None,
         opened=lambda ckpt: None,
         daemon=DaemonIdentity(

@@ -67,3 +67,15 @@ def test_unknown_released_and_foreign_leases() -> None:
         table.get(lease.id, now=1.0)
     with pytest.raises(DaemonRestartedError):
         table.get("other.1234", now=1.0)
+
+
+def test_counts_and_expiry_stay_exact_under_churn() -> None:
+    table = LeaseTable("b00t")
+    leases = [table.add("m", 0, 1, 4_000_000 + i % 3, ttl_s=10, now=0.0) for i in range(30)]
+    assert table.count() == 30 and table.count("m") == 30 and table.count_client(4_000_000) == 10
+    for step in range(1, 200):  # renewals leave stale heap entries behind
+        table.renew(leases[0].id, None, now=step * 0.01)
+    assert table.expire(10.5) and table.count() == 1  # only the renewed one is left
+    assert table.count_client(4_000_000) == 1 and table.count_client(4_000_001) == 0
+    assert [how for _, how in table.expire(100.0)] == [LeaseEnd.expired]
+    assert table.count() == 0 and table.count("m") == 0 and table.watched() == []

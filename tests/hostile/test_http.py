@@ -1,0 +1,191 @@
+"""HTTP input, slow clients and oversized clients: each is refused with a problem document and
+its code, and ``/health`` keeps answering throughout."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.hostile.conftest import Hostile
+from tests.hostile.probe import HealthProbe
+
+
+def _connect(hostile: Hostile) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", hostile.port), timeout=10)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    return s
+
+
+def _answer(s: socket.socket) -> tuple[int, dict]:
+    """Status and problem body of what the daemon wrote before closing."""
+    data = b""
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except (ConnectionResetError, TimeoutError):
+            break
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, json.loads(body) if body else {}
+
+
+def test_one_huge_header_is_refused_early(hostile: Hostile) -> None:
+    with HealthProbe(hostile.url) as probe:
+        s = _connect(hostile)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        sent = 0
+        try:
+            while sent < 100 * 1024 * 1024:  # what the hostile run sent; refused long before
+                s.sendall(b"a" * 65536)
+                sent += 65536
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        status, body = _answer(s)
+        s.close()
+    assert status == 431 and body["code"] == "headers_too_large"
+    assert sent < 10 * 1024 * 1024  # the connection was closed, not read to the end
+    probe.assert_answered()
+
+
+def test_many_headers_in_parallel(hostile: Hostile) -> None:
+    results: list[int] = []
+
+    def flood() -> None:
+        s = _connect(hostile)
+        try:
+            s.sendall(b"GET / HTTP/1.1\r\n")
+            for i in range(100_000):
+                s.sendall(f"X-{i}: {'b' * 100}\r\n".encode())
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        results.append(_answer(s)[0])
+        s.close()
+
+    with HealthProbe(hostile.url) as probe:
+        threads = [threading.Thread(target=flood) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert results == [431] * 4
+    probe.assert_answered()
+
+
+def test_slowloris_headers_time_out(hostile: Hostile) -> None:
+    with HealthProbe(hostile.url) as probe:
+        socks = [_connect(hostile) for _ in range(20)]
+        for s in socks:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        for i in range(5):  # trickling bytes does not extend the deadline
+            for s in socks:
+                with contextlib.suppress(OSError):
+                    s.sendall(f"X-{i}: 1\r\n".encode())
+            time.sleep(0.1)
+        answers = [_answer(s) for s in socks]
+        for s in socks:
+            s.close()
+    assert {status for status, _ in answers} == {408}
+    assert answers[0][1]["code"] == "request_timeout"
+    probe.assert_answered()
+
+
+def test_slow_body_times_out(hostile: Hostile) -> None:
+    with HealthProbe(hostile.url) as probe:
+        s = _connect(hostile)
+        s.sendall(
+            b"POST /v1/leases HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b'content-length: 200\r\n\r\n{"model":'
+        )
+        status, body = _answer(s)
+        s.close()
+    assert status == 408 and body["code"] == "request_timeout"
+    probe.assert_answered()
+
+
+def test_connections_beyond_the_cap_are_refused_at_once(hostile: Hostile) -> None:
+    with HealthProbe(hostile.url) as probe:
+        socks = [_connect(hostile) for _ in range(60)]  # the cap is 32, the probe holds one
+        time.sleep(0.3)
+        refused = []
+        for s in socks:
+            s.settimeout(0.05)
+            try:
+                data = s.recv(4096)
+            except TimeoutError:
+                continue
+            if data.startswith(b"HTTP/1.1 503"):
+                refused.append(json.loads(data.partition(b"\r\n\r\n")[2]))
+        assert len(refused) >= 60 - 31
+        assert refused[0]["code"] == "too_many_connections"
+        for s in socks:
+            s.close()
+        # Once they are gone, new connections are served again.
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{hostile.url}/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline
+    probe.assert_answered()
+
+
+def test_idle_connections_do_not_pile_up(hostile: Hostile) -> None:
+    """Half-open connections are closed by the request deadline, so a client that opens them
+    in a loop never holds more than the cap, and file descriptors stay bounded."""
+    with HealthProbe(hostile.url) as probe:
+        closed = 0
+        for _ in range(3):
+            socks = [_connect(hostile) for _ in range(40)]
+            for s in socks:
+                s.sendall(b"GET /")
+            for s in socks:
+                status, _ = _answer(s)
+                closed += status in (408, 503)
+                s.close()
+    assert closed == 120
+    fds = len(
+        list((__import__("pathlib").Path(f"/proc/{hostile.daemon.process.pid}/fd")).iterdir())
+    )
+    assert fds < 100
+    probe.assert_answered()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("tp_rank", "0"), ("tp_size", 1.0), ("ttl_s", True), ("client_pid", "1"), ("kernel", 1)],
+)
+def test_wrong_types_are_not_coerced(hostile: Hostile, field: str, value: object) -> None:
+    r = hostile.lease(**{field: value})
+    assert r.status_code == 422 and r.json()["code"] == "invalid_request"
+    assert r.json()["errors"][0]["loc"][-1] == field
+
+
+def test_wrong_types_in_renew_and_load(hostile: Hostile) -> None:
+    lease = hostile.lease().json()["lease"]["id"]
+    r = hostile.client.post(f"/v1/leases/{lease}/renew", json={"ttl_s": "5"})
+    assert r.status_code == 422 and r.json()["code"] == "invalid_request"
+    r = hostile.load(hostile.tiny, "typed", tp_size="1")
+    assert r.status_code == 422 and r.json()["code"] == "invalid_request"
+    assert hostile.client.delete(f"/v1/leases/{lease}").status_code == 204
+
+
+def test_garbage_and_pipelined_requests(hostile: Hostile) -> None:
+    with HealthProbe(hostile.url) as probe:
+        s = _connect(hostile)
+        s.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 200)  # a TLS hello
+        assert _answer(s)[0] == 400
+        s.close()
+        s = _connect(hostile)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * 50 + b"GET /x HTTP/1.1\r\n\r\n")
+        s.settimeout(5)
+        data = b""
+        while data.count(b"HTTP/1.1 200") < 50:
+            data += s.recv(65536)
+        s.close()
+    probe.assert_answered()
