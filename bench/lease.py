@@ -27,7 +27,7 @@ import httpx
 
 from bench.common import CACHE, demo_checkpoint, percentile
 from engine_client.client import AsyncDaemonClient, ClientConfig
-from service.errors import WeightCacheError
+from protocol.errors import WeightCacheError
 from tests.daemon_process import start_daemon
 
 

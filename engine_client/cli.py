@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # imported when the command runs: `weight-cache --help` needs
     import torch
 
     from engine_client.client import DaemonClient
-    from service.schemas.layout import LayerLayout
+    from protocol.schemas.layout import LayerLayout
 
 
 # service.checkpoint.IdentityTier, spelled out so that --help imports no torch (a test compares).
@@ -47,7 +47,7 @@ def run_layers(
 
 
 def _pick_model(client: DaemonClient) -> str:
-    from service.schemas.models import ModelState
+    from protocol.schemas.models import ModelState
 
     ready = [m.id for m in client.models() if m.state is ModelState.ready]
     if len(ready) != 1:
@@ -102,8 +102,8 @@ def attach_command(
     from engine_client.fallback import reason_of
     from engine_client.loading import load_from_disk
     from engine_client.verify import Expectations
+    from protocol.errors import WeightCacheError
     from service.checkpoint import IdentityTier
-    from service.errors import WeightCacheError
 
     config = client_config(url, uds, token_file)
     if device == "auto":

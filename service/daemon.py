@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from service.errors import (
+from protocol.errors import (
     ArenaLostError,
     CheckpointNotFoundError,
     InsufficientMemoryError,
@@ -30,6 +30,13 @@ from service.errors import (
     PathNotAllowedError,
     WeightCacheError,
 )
+from protocol.schemas.health import Health, Readiness
+from protocol.schemas.inventory import Inventory
+from protocol.schemas.layout import Kernel, WeightFormat
+from protocol.schemas.leases import LeaseInfo, LeaseRequest
+from protocol.schemas.manifest import ArenaDescriptor, CheckpointIdentity, DaemonIdentity
+from protocol.schemas.models import ModelInfo, ModelState, default_model_id
+from protocol.version import PROTOCOL_VERSION, __version__
 from service.memory.devices import device_infos, resolve_placements
 from service.memory.shm import remove_stale_files
 from service.metrics import Metrics
@@ -37,14 +44,7 @@ from service.registry.grant import Grant
 from service.registry.leases import Lease, LeaseEnd, LeaseTable
 from service.registry.loader import LoadCancelled, LoadRequest, load_model
 from service.registry.models import ModelRecord
-from service.schemas.health import Health, Readiness
-from service.schemas.inventory import Inventory
-from service.schemas.layout import Kernel, WeightFormat
-from service.schemas.leases import LeaseInfo, LeaseRequest
-from service.schemas.manifest import ArenaDescriptor, CheckpointIdentity, DaemonIdentity
-from service.schemas.models import ModelInfo, ModelState, default_model_id
 from service.settings import DaemonSettings
-from service.version import PROTOCOL_VERSION, __version__
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ from typing import Annotated, Any
 from pydantic import AliasChoices, ByteSize, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from protocol.errors import UnauthorizedError
+from protocol.schemas.models import default_model_id
+from protocol.tokens import read_token_file
+from protocol.version import DEFAULT_PORT
 from service.env import ENV_PREFIX, check_environment, env_names, known_variables
-from service.errors import UnauthorizedError
-from service.schemas.models import default_model_id
-from service.tokens import read_token_file
-from service.version import DEFAULT_PORT
 
 __all__ = ["DEFAULT_PORT", "DaemonSettings", "check_environment", "env_names", "known_variables"]
 
@@ -99,7 +99,7 @@ class DaemonSettings(BaseSettings):
     @model_validator(mode="after")
     def _token_from_file(self) -> DaemonSettings:
         """A token file, when given (by flag or environment), wins over a token value: the one
-        precedence rule clients follow too (:func:`service.tokens.resolve_token`)."""
+        precedence rule clients follow too (:func:`protocol.tokens.resolve_token`)."""
         if self.token_file is not None:
             try:
                 self.token = SecretStr(read_token_file(self.token_file))

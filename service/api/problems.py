@@ -10,14 +10,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.errors import (
+from protocol.errors import (
     InvalidRequestError,
     MethodNotAllowedError,
     ModelLoadingError,
     NotFoundError,
     WeightCacheError,
 )
-from service.schemas.problem import Problem
+from protocol.schemas.problem import Problem
 
 log = logging.getLogger(__name__)
 

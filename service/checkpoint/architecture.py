@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from service.errors import InvalidConfigError, UnsupportedArchitectureError
+from protocol.errors import InvalidConfigError, UnsupportedArchitectureError
 
 # vLLM's ``packed_modules_mapping`` for these models.
 PACKED_MODULES: dict[str, tuple[str, ...]] = {

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from protocol.errors import CheckpointNotFoundError, InvalidConfigError
+from protocol.schemas.manifest import CheckpointDigests
 from service.checkpoint.architecture import ModelDims, read_dims
 from service.checkpoint.fingerprint import checkpoint_digests, full_digest, identity_files
 from service.checkpoint.quant_config import MODEL_CONFIG, QuantConfig, read_quant_config
@@ -26,8 +28,6 @@ from service.checkpoint.safetensors_files import (
     unreadable,
     weight_files,
 )
-from service.errors import CheckpointNotFoundError, InvalidConfigError
-from service.schemas.manifest import CheckpointDigests
 
 
 @dataclass

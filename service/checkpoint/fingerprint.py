@@ -32,9 +32,9 @@ from pathlib import Path
 
 import xxhash
 
+from protocol.errors import CorruptFileError
+from protocol.schemas.manifest import CheckpointDigests
 from service.checkpoint.safetensors_files import INDEX_FILE, read_raw_header, weight_files
-from service.errors import CorruptFileError
-from service.schemas.manifest import CheckpointDigests
 
 _CONFIG_FILES = ("config.json", "hf_quant_config.json")
 _DOMAIN = b"weight-cache checkpoint identity v2\0"

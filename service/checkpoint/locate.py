@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from service.errors import CheckpointNotFoundError
+from protocol.errors import CheckpointNotFoundError
 
 # org/name as the Hub spells repo ids; a path that exists is always taken as a path.
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+$")

@@ -18,10 +18,14 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
+from protocol.errors import (
+    InvalidConfigError,
+    NotModelOptCheckpointError,
+    UnsupportedQuantAlgoError,
+)
+from protocol.schemas.layout import Scheme
 from service.checkpoint.architecture import PACKED_MODULES
 from service.checkpoint.safetensors_files import unreadable
-from service.errors import InvalidConfigError, NotModelOptCheckpointError, UnsupportedQuantAlgoError
-from service.schemas.layout import Scheme
 
 FP8 = "FP8"
 FP8_PER_CHANNEL_PER_TOKEN = "FP8_PER_CHANNEL_PER_TOKEN"

@@ -2,7 +2,7 @@
 
 Validation is the ``safetensors`` library's own (it refuses truncated files, headers whose
 offsets do not tile the data, oversized headers and bad JSON on open); this module turns its
-errors into :class:`~service.errors.CorruptFileError` naming the file, and keeps the raw header
+errors into :class:`~protocol.errors.CorruptFileError` naming the file, and keeps the raw header
 bytes for the checkpoint fingerprint.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from service.errors import (
+from protocol.errors import (
     CheckpointError,
     CorruptFileError,
     InvalidConfigError,

@@ -9,13 +9,13 @@ from __future__ import annotations
 import click
 
 from engine_client.cli import attach_command
+from protocol.version import __version__
 from service.cli.demo import demo_checkpoint
 from service.cli.openapi import openapi
 from service.cli.serve import SettingsError, serve
 from service.cli.status import status
 from service.env import check_environment
 from service.logs import FORMATS, LEVELS, configure_logging
-from service.version import __version__
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from protocol.version import DEFAULT_PORT
 from service.env import env_names
-from service.version import DEFAULT_PORT
 
 if TYPE_CHECKING:  # imported when the command runs: `--help` needs no pydantic
     from pydantic import ValidationError
@@ -107,8 +107,8 @@ def build_settings(**flags: Any) -> DaemonSettings:
     id through the local Hugging Face cache) and made absolute. Raises :class:`SettingsError`."""
     from pydantic import ValidationError
 
+    from protocol.errors import WeightCacheError
     from service.checkpoint.locate import locate_checkpoint
-    from service.errors import WeightCacheError
     from service.settings import DaemonSettings
 
     given = {k: v for k, v in flags.items() if v not in (None, ())}

@@ -23,7 +23,7 @@ def status(url: str | None, uds: str | None, token_file: str | None) -> None:
     from rich.table import Table
 
     from engine_client.client import DaemonClient
-    from service.errors import WeightCacheError
+    from protocol.errors import WeightCacheError
 
     try:
         with DaemonClient(client_config(url, uds, token_file)) as client:

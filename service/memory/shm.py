@@ -16,21 +16,12 @@ import mmap
 import os
 import re
 import secrets
-import warnings
 from pathlib import Path
 
-import torch
-
-from service.errors import InsufficientMemoryError
+from protocol.errors import InsufficientMemoryError
+from protocol.shm import byte_tensor
 
 FILE_PREFIX = "weight-cache-"
-
-
-def _frombuffer(buffer: mmap.mmap) -> torch.Tensor:
-    with warnings.catch_warnings():
-        # A read-only mapping is the point; torch warns that it is not writable.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
 class ShmFile:
@@ -61,7 +52,7 @@ class ShmFile:
             staging.unlink(missing_ok=True)
             raise
         self._fd = fd  # held open: the lock says a live daemon owns this file
-        self.tensor = _frombuffer(self._map)
+        self.tensor = byte_tensor(self._map)
         del self._map  # the tensor holds the mapping; it is unmapped with the last view
 
     def close(self) -> None:
@@ -70,21 +61,6 @@ class ShmFile:
         del self.tensor
         self.path.unlink(missing_ok=True)
         os.close(self._fd)
-
-
-def map_read_only(path: Path, nbytes: int) -> torch.Tensor:
-    """Map an arena file read-only in an engine, as a byte tensor. The tensor (and every view
-    of it) keeps the mapping alive; it is unmapped when the last one is gone, never under
-    them."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        if size != nbytes:
-            raise ValueError(f"{path} holds {size} bytes, the manifest says {nbytes}")
-        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    return _frombuffer(mapping)
 
 
 def remove_stale_files(directory: Path) -> list[Path]:

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from service.errors import CorruptFileError
+from protocol.errors import CorruptFileError
 from service.processing.fp8 import FP8_DTYPE
 
 _E4M3_NAN_BITS = 0x7F

@@ -12,20 +12,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.checkpoint import Checkpoint, LinearSpec
-from service.checkpoint.architecture import kv_scale_names, linear_specs
-from service.checkpoint.safetensors_files import TensorInfo
-from service.errors import (
+from protocol.errors import (
     InvalidScaleError,
     MissingTensorError,
     TensorDtypeError,
     TensorShapeError,
     UnsupportedQuantAlgoError,
 )
-from service.processing.cutlass import pad_to_alignment, weight_storage_shape, weight_view
-from service.processing.fp8 import FP8_DTYPE
-from service.processing.tensor_parallel import ShardSlice, check_tp_size, shard_slice
-from service.schemas.layout import (
+from protocol.schemas.layout import (
     ActivationQuant,
     CarriedKind,
     CarriedLayout,
@@ -34,6 +28,12 @@ from service.schemas.layout import (
     Scheme,
     WeightFormat,
 )
+from service.checkpoint import Checkpoint, LinearSpec
+from service.checkpoint.architecture import kv_scale_names, linear_specs
+from service.checkpoint.safetensors_files import TensorInfo
+from service.processing.cutlass import pad_to_alignment, weight_storage_shape, weight_view
+from service.processing.fp8 import FP8_DTYPE
+from service.processing.tensor_parallel import ShardSlice, check_tp_size, shard_slice
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # vLLM never loads these

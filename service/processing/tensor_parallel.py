@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.errors import TensorParallelError
 from service.checkpoint.architecture import LinearSpec, ModelDims, Parallelism, ShardSpec
-from service.errors import TensorParallelError
 
 Range = tuple[int, int]
 

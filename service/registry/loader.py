@@ -16,21 +16,21 @@ from pathlib import Path
 import torch
 import xxhash
 
-from service.checkpoint import Checkpoint
-from service.dtypes import to_wire
-from service.errors import InsufficientMemoryError
-from service.memory.arena import Arena, allocate_arena
-from service.memory.checksum import storage_checksum
-from service.memory.devices import Placement
-from service.memory.layout import pack
-from service.processing import ModelPlan, TensorSpec, execute_plan, plan_model
-from service.schemas.manifest import (
+from protocol.checksum import storage_checksum
+from protocol.devices import Placement
+from protocol.dtypes import to_wire
+from protocol.errors import InsufficientMemoryError
+from protocol.schemas.manifest import (
     CheckpointIdentity,
     DaemonIdentity,
     DeviceKind,
     Manifest,
     TensorEntry,
 )
+from service.checkpoint import Checkpoint
+from service.memory.arena import Arena, allocate_arena
+from service.memory.layout import pack
+from service.processing import ModelPlan, TensorSpec, execute_plan, plan_model
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ import torch
 from engine_client.attach import attach
 from engine_client.client import ClientConfig
 from engine_client.verify import Expectations
+from protocol.errors import LayoutMismatchError, VerificationError
 from service.checkpoint import Checkpoint, checkpoint_fingerprint
 from service.checkpoint.quant_config import QuantConfig
-from service.errors import LayoutMismatchError, VerificationError
 from service.processing import load_processed, plan_model
 from tests.daemon_process import DaemonProcess
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear
+from protocol.devices import Placement
+from protocol.schemas.manifest import DaemonIdentity, DeviceKind
 from service.checkpoint import Checkpoint
-from service.memory.devices import Placement
 from service.processing import load_processed, plan_model
 from service.processing.fp8 import FP8_DTYPE, dequantize_to_fp16, quantize_static
 from service.registry.loader import LoadRequest, Progress, load_model
-from service.schemas.manifest import DaemonIdentity, DeviceKind
 
 pytestmark = pytest.mark.gpu
 CODES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 
+from protocol.checksum import storage_checksum
 from service.checkpoint import Checkpoint
-from service.memory.checksum import storage_checksum
 from service.processing import load_processed, plan_model
 from tests.daemon_process import DaemonProcess, lease_body, start_daemon, wait_for
 

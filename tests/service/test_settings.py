@@ -10,10 +10,10 @@ import pytest
 from click.testing import CliRunner
 
 from engine_client.client import ClientConfig, daemon_url
+from protocol.errors import CheckpointNotFoundError
 from service.checkpoint.locate import locate_checkpoint
 from service.cli import cli
 from service.cli.serve import SettingsError, build_settings
-from service.errors import CheckpointNotFoundError
 from service.settings import DaemonSettings, check_environment, env_names, known_variables
 
 README = Path(__file__).resolve().parents[2] / "README.md"

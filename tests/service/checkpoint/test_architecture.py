@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from protocol.errors import InvalidConfigError, UnsupportedArchitectureError
 from service.checkpoint.architecture import Parallelism, kv_scale_names, linear_specs, read_dims
-from service.errors import InvalidConfigError, UnsupportedArchitectureError
 
 
 def config(arch: str = "LlamaForCausalLM", **over: Any) -> dict[str, object]:

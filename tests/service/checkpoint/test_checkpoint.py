@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.checkpoint import Checkpoint
-from service.demo import write_demo_checkpoint
-from service.errors import (
+from protocol.errors import (
     CheckpointNotFoundError,
     CorruptFileError,
     InvalidConfigError,
     MissingTensorError,
     NotModelOptCheckpointError,
 )
+from service.checkpoint import Checkpoint
+from service.demo import write_demo_checkpoint
 from tests.checkpoint_tools import rewrite_header
 from tests.conftest import MODELOPT_EXPORTS
 

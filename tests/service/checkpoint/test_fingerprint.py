@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from protocol.errors import CorruptFileError
 from service.checkpoint import Checkpoint, IdentityTier, checkpoint_fingerprint
 from service.checkpoint.fingerprint import SAMPLE_BYTES, SAMPLE_WINDOWS, sample_windows
 from service.demo import write_demo_checkpoint
-from service.errors import CorruptFileError
 from tests.checkpoint_tools import rewrite_tensors
 
 

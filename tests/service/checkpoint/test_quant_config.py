@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from service.checkpoint.architecture import PACKED_MODULES
-from service.checkpoint.quant_config import QuantConfig, read_quant_config
-from service.errors import (
+from protocol.errors import (
     InvalidConfigError,
     NotModelOptCheckpointError,
     UnsupportedQuantAlgoError,
 )
+from service.checkpoint.architecture import PACKED_MODULES
+from service.checkpoint.quant_config import QuantConfig, read_quant_config
 
 PACKED = dict(PACKED_MODULES)
 

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from service.memory.checksum import storage_checksum
+from protocol.checksum import storage_checksum
 from service.memory.layout import ALIGNMENT, pack
 from service.processing.plan import TensorSpec
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.memory.shm import FILE_PREFIX, ShmFile, map_read_only, remove_stale_files
+from protocol.shm import map_read_only
+from service.memory.shm import FILE_PREFIX, ShmFile, remove_stale_files
 
 
 def test_read_only_mapping_sees_writes_and_refuses_its_own(tmp_path: Path) -> None:
@@ -39,7 +40,7 @@ def test_unlinking_keeps_an_engines_mapping(tmp_path: Path) -> None:
 
 
 def test_a_full_tmpfs_is_refused_up_front(tmp_path: Path) -> None:
-    from service.errors import InsufficientMemoryError
+    from protocol.errors import InsufficientMemoryError
 
     with pytest.raises(InsufficientMemoryError):
         ShmFile(Path("/dev/shm"), "b00t", "huge", 1 << 50)  # more than any machine has

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from protocol.errors import CorruptFileError
 from service.checkpoint import Checkpoint
-from service.errors import CorruptFileError
 from service.processing import load_processed, plan_model
 from tests.checkpoint_tools import rewrite_tensors
 

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.checkpoint import Checkpoint
-from service.errors import (
+from protocol.errors import (
     InvalidScaleError,
     MissingTensorError,
     TensorDtypeError,
@@ -17,6 +16,7 @@ from service.errors import (
     TensorShapeError,
     UnsupportedQuantAlgoError,
 )
+from service.checkpoint import Checkpoint
 from service.processing import plan_model
 from tests.checkpoint_tools import rewrite_json, rewrite_tensors
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from protocol.errors import TensorParallelError
 from service.checkpoint.architecture import ModelDims, linear_specs
-from service.errors import TensorParallelError
 from service.processing.tensor_parallel import check_tp_size, shard_slice
 
 DIMS = ModelDims("LlamaForCausalLM", 64, 84, 4, 2, 16, 1, 256, False, False, False)

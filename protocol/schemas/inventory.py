@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from service.schemas.manifest import DeviceKind
-from service.schemas.models import ModelInfo
+from protocol.schemas.manifest import DeviceKind
+from protocol.schemas.models import ModelInfo
 
 
 class DeviceInfo(BaseModel):

@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from service.errors import UnauthorizedError
+from protocol.errors import UnauthorizedError
 
 
 def read_token_file(path: str | Path) -> str:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import enum
 from typing import Annotated, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.schemas.layout import CarriedLayout, LayerLayout, WireDType
+from protocol.dtypes import to_torch
+from protocol.schemas.layout import CarriedLayout, LayerLayout, WireDType
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -128,6 +130,15 @@ class TensorEntry(BaseModel):
     shape: list[int]
     stride: list[int] = Field(description="in elements, from the storage start")
     checksum: str = Field(description="xxh3-64 of the storage bytes, hex")
+
+    def storage(self, base: torch.Tensor) -> torch.Tensor:
+        """This tensor's contiguous storage inside the arena's byte tensor ``base``, typed."""
+        return base[self.offset : self.offset + self.nbytes].view(to_torch(self.dtype))
+
+    def view(self, base: torch.Tensor) -> torch.Tensor:
+        """The tensor the manifest describes, a zero-copy view into ``base`` (the one place a
+        leased view is rebuilt from its entry)."""
+        return self.storage(base).as_strided(self.shape, self.stride)
 
 
 class Manifest(BaseModel):

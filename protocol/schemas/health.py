@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from service.schemas.models import ModelState
+from protocol.schemas.models import ModelState
 
 
 class Health(BaseModel):

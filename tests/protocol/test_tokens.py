@@ -9,9 +9,9 @@ import pytest
 from pydantic import SecretStr, ValidationError
 
 from engine_client.client import ClientConfig
-from service.errors import UnauthorizedError
+from protocol.errors import UnauthorizedError
+from protocol.tokens import read_token_file
 from service.settings import DaemonSettings
-from service.tokens import read_token_file
 
 
 def test_token_is_stripped(tmp_path: Path) -> None:

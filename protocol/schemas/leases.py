@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.schemas.manifest import ArenaDescriptor, Manifest
+from protocol.schemas.manifest import ArenaDescriptor, Manifest
 
 MAX_TTL_S = 86_400.0
 _NAME = r"^[A-Za-z0-9_.-]{1,64}$"

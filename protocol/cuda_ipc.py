@@ -13,7 +13,7 @@ import base64
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from service.schemas.manifest import CudaIpcHandle
+from protocol.schemas.manifest import CudaIpcHandle
 
 
 def _b64(data: bytes | None) -> str | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from service.schemas.layout import WireDType
+from protocol.schemas.layout import WireDType
 
 TORCH_DTYPES: dict[WireDType, torch.dtype] = {
     WireDType.float8_e4m3fn: torch.float8_e4m3fn,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from service.errors import _REGISTRY, CLI_HINTS, HINTS, UnauthorizedError, error_from_problem
+from protocol.errors import _REGISTRY, CLI_HINTS, HINTS, UnauthorizedError, error_from_problem
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 ABSTRACT = {"invalid_checkpoint", "conflict"}  # bases of other codes, never raised as such
@@ -70,7 +70,7 @@ def test_the_cli_tells_its_user_how_to_pass_a_token(tmp_path: Path, tiny_fp8: Pa
 OPEN_CHILD = """
 import sys
 from service.checkpoint import Checkpoint
-from service.errors import WeightCacheError
+from protocol.errors import WeightCacheError
 try:
     Checkpoint.open(sys.argv[1]).close()
 except WeightCacheError as exc:

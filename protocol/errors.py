@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from service.reasons import Reason
+from protocol.reasons import Reason
 
 _REGISTRY: dict[str, type[WeightCacheError]] = {}
 
@@ -256,7 +256,7 @@ class DaemonRestartedError(WeightCacheError):
 
 class VerificationError(WeightCacheError):
     """The lease does not describe what this engine would have built; ``reason`` says which
-    check failed (a :class:`~service.reasons.Reason`)."""
+    check failed (a :class:`~protocol.reasons.Reason`)."""
 
     code = "verification_failed"
     status = 409
@@ -272,7 +272,7 @@ class VerificationError(WeightCacheError):
 
 class AttachError(WeightCacheError):
     """Attaching failed after the daemon answered (its answer, the arena, the views, binding);
-    ``reason`` (a :class:`~service.reasons.Reason`) says at which step. Raised on the engine
+    ``reason`` (a :class:`~protocol.reasons.Reason`) says at which step. Raised on the engine
     side only, where the foreign exception arose."""
 
     code = "attach_failed"
