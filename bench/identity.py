@@ -17,9 +17,9 @@ import torch
 
 from bench.common import demo_checkpoint, median_seconds, warm_page_cache
 from engine_client.verify import Expectations
-from service.checkpoint import Checkpoint, IdentityTier, checkpoint_fingerprint
-from service.checkpoint.fingerprint import sampled_digest
-from service.checkpoint.safetensors_files import read_raw_header
+from modelopt_fp8.checkpoint import Checkpoint, IdentityTier, checkpoint_fingerprint
+from modelopt_fp8.checkpoint.fingerprint import sampled_digest
+from modelopt_fp8.checkpoint.safetensors_files import read_raw_header
 
 TARGET_MS = 20.0
 

@@ -14,8 +14,8 @@ import argparse
 from safetensors.torch import load_file
 
 from bench.common import demo_checkpoint, median_seconds, warm_page_cache
-from service.checkpoint import Checkpoint
-from service.processing import load_processed, plan_model
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.processing import load_processed, plan_model
 
 
 def main() -> None:

@@ -21,11 +21,11 @@ from engine_client.attach import Attachment, attach
 from engine_client.client import ClientConfig
 from engine_client.fallback import FALLBACKS, as_weight_cache_error, reason_of, record_fallback
 from engine_client.verify import Expectations
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.processing import load_processed, plan_model
 from protocol.errors import ModelLoadingError
 from protocol.reasons import Reason
 from protocol.schemas.layout import LayerLayout
-from service.checkpoint import Checkpoint
-from service.processing import load_processed, plan_model
 
 __all__ = [
     "FALLBACKS",

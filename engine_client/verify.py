@@ -12,6 +12,9 @@ from typing import Any
 
 import torch
 
+from modelopt_fp8.checkpoint import DEFAULT_TIER, Checkpoint, Fingerprint, IdentityTier
+from modelopt_fp8.checkpoint.fingerprint import checkpoint_fingerprint
+from modelopt_fp8.checkpoint.quant_config import QuantConfig
 from protocol.checksum import storage_checksum
 from protocol.devices import Placement
 from protocol.errors import VerificationError
@@ -20,9 +23,6 @@ from protocol.schemas.layout import Kernel, Scheme, WeightFormat
 from protocol.schemas.leases import LeaseGrant
 from protocol.schemas.manifest import DeviceKind, Manifest, ShmHandle
 from protocol.version import PROTOCOL_VERSION
-from service.checkpoint import DEFAULT_TIER, Checkpoint, Fingerprint, IdentityTier
-from service.checkpoint.fingerprint import checkpoint_fingerprint
-from service.checkpoint.quant_config import QuantConfig
 
 __all__ = ["Expectations", "Reason", "verify_checksums", "verify_grant"]
 

@@ -39,7 +39,7 @@ from protocol.schemas.models import ModelInfo, ModelState, default_model_id
 from protocol.version import PROTOCOL_VERSION, __version__
 from service.memory.devices import device_infos, resolve_placements
 from service.memory.shm import remove_stale_files
-from service.metrics import Metrics
+from service.metrics import Metrics, StateSnapshot
 from service.registry.grant import Grant
 from service.registry.leases import Lease, LeaseEnd, LeaseTable
 from service.registry.loader import LoadCancelled, LoadRequest, load_model
@@ -67,7 +67,7 @@ class Daemon:
         # stops the server and exits non-zero.
         self.startup_failure: tuple[str, WeightCacheError] | None = None
         self.on_startup_failure: Callable[[], None] | None = None
-        self.metrics = Metrics(self)
+        self.metrics = Metrics(self.metrics_snapshot)
         self.identity = DaemonIdentity(
             boot_id=self.boot_id,
             protocol_version=PROTOCOL_VERSION,
@@ -409,6 +409,16 @@ class Daemon:
             torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 
     # --- views ---------------------------------------------------------------------------------
+
+    def metrics_snapshot(self) -> StateSnapshot:
+        """What the state gauges show, read under the lock at scrape time."""
+        with self.lock:
+            counts: dict[str, int] = {"loading": 0, "ready": 0, "failed": 0}
+            resident: dict[str, int] = {}
+            for record in self.models.values():
+                counts[record.state.value] += 1
+                resident[record.id] = record.bytes_resident
+            return StateSnapshot(counts, resident, self.leases.count())
 
     def health(self) -> Health:
         return Health(

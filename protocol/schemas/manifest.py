@@ -40,7 +40,7 @@ class DeviceIdentity(BaseModel):
 
 
 class CheckpointDigests(BaseModel):
-    """The checkpoint's identity at every tier (``service.checkpoint.fingerprint``); an engine
+    """The checkpoint's identity at every tier (``modelopt_fp8.checkpoint.fingerprint``); an engine
     compares the one tier it chose against its own copy."""
 
     model_config = _FROZEN

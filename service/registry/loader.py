@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 import xxhash
 
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.processing import ModelPlan, TensorSpec, execute_plan, plan_model
 from protocol.checksum import storage_checksum
 from protocol.devices import Placement
 from protocol.dtypes import to_wire
@@ -27,10 +29,8 @@ from protocol.schemas.manifest import (
     Manifest,
     TensorEntry,
 )
-from service.checkpoint import Checkpoint
 from service.memory.arena import Arena, allocate_arena
 from service.memory.layout import pack
-from service.processing import ModelPlan, TensorSpec, execute_plan, plan_model
 
 log = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.processing import load_processed, plan_model
+from modelopt_fp8.processing.fp8 import FP8_DTYPE, dequantize_to_fp16, quantize_static
 from protocol.devices import Placement
 from protocol.schemas.manifest import DaemonIdentity, DeviceKind
-from service.checkpoint import Checkpoint
-from service.processing import load_processed, plan_model
-from service.processing.fp8 import FP8_DTYPE, dequantize_to_fp16, quantize_static
 from service.registry.loader import LoadRequest, Progress, load_model
 
 pytestmark = pytest.mark.gpu

@@ -22,11 +22,11 @@ from engine_client.attach import attach
 from engine_client.client import ClientConfig
 from engine_client.loading import load_weights
 from engine_client.verify import Expectations
+from modelopt_fp8.checkpoint import IdentityTier
 from protocol.checksum import storage_checksum
 from protocol.schemas.leases import LeaseGrant
 from protocol.schemas.manifest import ShmHandle
 from protocol.shm import map_read_only
-from service.checkpoint import IdentityTier
 from tests.daemon_process import lease_body
 
 

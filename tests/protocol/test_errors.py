@@ -55,7 +55,7 @@ def test_the_cli_tells_its_user_how_to_pass_a_token(tmp_path: Path, tiny_fp8: Pa
     daemon = start_daemon(tmp_path, [tiny_fp8], "--token-file", str(tmp_path / "token"))
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "service.cli", "status", "--url", daemon.url],
+            [sys.executable, "-m", "weight_cache_cli", "status", "--url", daemon.url],
             capture_output=True,
             text=True,
             timeout=60,
@@ -69,7 +69,7 @@ def test_the_cli_tells_its_user_how_to_pass_a_token(tmp_path: Path, tiny_fp8: Pa
 
 OPEN_CHILD = """
 import sys
-from service.checkpoint import Checkpoint
+from modelopt_fp8.checkpoint import Checkpoint
 from protocol.errors import WeightCacheError
 try:
     Checkpoint.open(sys.argv[1]).close()

@@ -14,7 +14,7 @@ import httpx
 
 from tests.daemon_process import free_port, start_daemon, wait_for
 
-CLI = [sys.executable, "-m", "service.cli"]
+CLI = [sys.executable, "-m", "weight_cache_cli"]
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
@@ -36,7 +36,7 @@ def test_help_imports_neither_torch_nor_fastapi() -> None:
     code = """
 import sys
 from click.testing import CliRunner
-from service.cli import cli
+from weight_cache_cli import cli
 for args in (["--help"], ["serve", "--help"], ["status", "--help"], ["attach", "--help"],
              ["demo-checkpoint", "--help"], ["openapi", "--help"]):
     result = CliRunner().invoke(cli, args)
@@ -52,7 +52,7 @@ print(" ".join(heavy))
 
 def test_demo_choices_match_the_generator() -> None:
     from service import demo
-    from service.cli import demo as command
+    from weight_cache_cli import demo as command
 
     assert set(command.SHAPES) == set(demo.SHAPES) and set(command.SCHEMES) == set(demo.SCHEMES)
 

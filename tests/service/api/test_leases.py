@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.processing import load_processed, plan_model
 from protocol.schemas.leases import LeaseGrant
 from protocol.schemas.manifest import ShmHandle
 from protocol.shm import map_read_only
-from service.checkpoint import Checkpoint
-from service.processing import load_processed, plan_model
 from tests.daemon_process import wait_for
 from tests.service.api.conftest import Served
 

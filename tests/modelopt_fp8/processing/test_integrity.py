@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.processing import load_processed, plan_model
 from protocol.errors import CorruptFileError
-from service.checkpoint import Checkpoint
-from service.processing import load_processed, plan_model
 from tests.checkpoint_tools import rewrite_tensors
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from modelopt_fp8.checkpoint.architecture import ModelDims, linear_specs
+from modelopt_fp8.processing.tensor_parallel import check_tp_size, shard_slice
 from protocol.errors import TensorParallelError
-from service.checkpoint.architecture import ModelDims, linear_specs
-from service.processing.tensor_parallel import check_tp_size, shard_slice
 
 DIMS = ModelDims("LlamaForCausalLM", 64, 84, 4, 2, 16, 1, 256, False, False, False)
 QKV, O_PROJ, GATE_UP, DOWN = linear_specs(DIMS)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from engine_client.cli_options import client_config, daemon_options
+from weight_cache_cli.options import client_config, daemon_options
 
 if TYPE_CHECKING:  # imported when the command runs: `weight-cache --help` needs no torch
     import torch
@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # imported when the command runs: `weight-cache --help` needs
     from protocol.schemas.layout import LayerLayout
 
 
-# service.checkpoint.IdentityTier, spelled out so that --help imports no torch (a test compares).
+# modelopt_fp8.checkpoint.IdentityTier, spelled out so --help imports no torch (a test compares).
 IDENTITY_TIERS = ("files", "sampled", "hf_blob", "full")
 
 
@@ -102,8 +102,8 @@ def attach_command(
     from engine_client.fallback import reason_of
     from engine_client.loading import load_from_disk
     from engine_client.verify import Expectations
+    from modelopt_fp8.checkpoint import IdentityTier
     from protocol.errors import WeightCacheError
-    from service.checkpoint import IdentityTier
 
     config = client_config(url, uds, token_file)
     if device == "auto":

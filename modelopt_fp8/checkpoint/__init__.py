@@ -1,14 +1,14 @@
 """Reading ModelOpt FP8 checkpoints: configs, architectures, safetensors files, fingerprints."""
 
-from service.checkpoint.architecture import LinearSpec, ModelDims, Parallelism, ShardSpec
-from service.checkpoint.checkpoint import Checkpoint
-from service.checkpoint.fingerprint import (
+from modelopt_fp8.checkpoint.architecture import LinearSpec, ModelDims, Parallelism, ShardSpec
+from modelopt_fp8.checkpoint.checkpoint import Checkpoint
+from modelopt_fp8.checkpoint.fingerprint import (
     DEFAULT_TIER,
     Fingerprint,
     IdentityTier,
     checkpoint_fingerprint,
 )
-from service.checkpoint.quant_config import (
+from modelopt_fp8.checkpoint.quant_config import (
     FP8,
     FP8_PER_CHANNEL_PER_TOKEN,
     SUPPORTED_QUANT_ALGOS,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from modelopt_fp8.checkpoint import Checkpoint
 from protocol.errors import (
     CheckpointNotFoundError,
     CorruptFileError,
@@ -17,7 +18,6 @@ from protocol.errors import (
     MissingTensorError,
     NotModelOptCheckpointError,
 )
-from service.checkpoint import Checkpoint
 from service.demo import write_demo_checkpoint
 from tests.checkpoint_tools import rewrite_header
 from tests.conftest import MODELOPT_EXPORTS

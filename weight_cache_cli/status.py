@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from engine_client.cli_options import client_config, daemon_options
+from weight_cache_cli.options import client_config, daemon_options
 
 
 def _size(n: int) -> str:

@@ -8,7 +8,7 @@ import sys
 
 from tests.daemon_process import free_port
 
-CLI = [sys.executable, "-m", "service.cli"]
+CLI = [sys.executable, "-m", "weight_cache_cli"]
 
 
 def test_attach_check_json(daemon_process) -> None:

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.processing import plan_model
 from protocol.errors import (
     InvalidScaleError,
     MissingTensorError,
@@ -16,8 +18,6 @@ from protocol.errors import (
     TensorShapeError,
     UnsupportedQuantAlgoError,
 )
-from service.checkpoint import Checkpoint
-from service.processing import plan_model
 from tests.checkpoint_tools import rewrite_json, rewrite_tensors
 
 Q = "model.layers.1.self_attn.q_proj"

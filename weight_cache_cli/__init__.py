@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import click
 
-from engine_client.cli import attach_command
 from protocol.version import __version__
-from service.cli.demo import demo_checkpoint
-from service.cli.openapi import openapi
-from service.cli.serve import SettingsError, serve
-from service.cli.status import status
 from service.env import check_environment
 from service.logs import FORMATS, LEVELS, configure_logging
+from weight_cache_cli.attach import attach_command
+from weight_cache_cli.demo import demo_checkpoint
+from weight_cache_cli.openapi import openapi
+from weight_cache_cli.serve import SettingsError, serve
+from weight_cache_cli.status import status
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from modelopt_fp8.checkpoint.architecture import LinearSpec, ModelDims, Parallelism, ShardSpec
 from protocol.errors import TensorParallelError
-from service.checkpoint.architecture import LinearSpec, ModelDims, Parallelism, ShardSpec
 
 Range = tuple[int, int]
 

@@ -18,14 +18,14 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
+from modelopt_fp8.checkpoint.architecture import PACKED_MODULES
+from modelopt_fp8.checkpoint.safetensors_files import unreadable
 from protocol.errors import (
     InvalidConfigError,
     NotModelOptCheckpointError,
     UnsupportedQuantAlgoError,
 )
 from protocol.schemas.layout import Scheme
-from service.checkpoint.architecture import PACKED_MODULES
-from service.checkpoint.safetensors_files import unreadable
 
 FP8 = "FP8"
 FP8_PER_CHANNEL_PER_TOKEN = "FP8_PER_CHANNEL_PER_TOKEN"

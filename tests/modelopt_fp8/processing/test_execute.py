@@ -11,6 +11,12 @@ import torch
 from hypothesis import given, settings
 
 from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.checkpoint.architecture import linear_specs
+from modelopt_fp8.processing import load_processed, plan_model
+from modelopt_fp8.processing.cutlass import weight_storage_shape
+from modelopt_fp8.processing.execute import LinearOutputs, ShardData, process_linear
+from modelopt_fp8.processing.fp8 import FP8_DTYPE
 from protocol.schemas.layout import (
     ActivationQuant,
     Kernel,
@@ -18,12 +24,6 @@ from protocol.schemas.layout import (
     Scheme,
     WeightFormat,
 )
-from service.checkpoint import Checkpoint
-from service.checkpoint.architecture import linear_specs
-from service.processing import load_processed, plan_model
-from service.processing.cutlass import weight_storage_shape
-from service.processing.execute import LinearOutputs, ShardData, process_linear
-from service.processing.fp8 import FP8_DTYPE
 from tests.checkpoint_tools import all_tensors, rewrite_tensors
 from tests.conftest import MODELOPT_EXPORTS
 from tests.vllm_reference import vllm_linear

@@ -2,7 +2,7 @@
 
 Opening validates everything that can be validated without reading weight data: the configs,
 the architecture, and every safetensors header. Weight shapes, dtypes and scale values are checked
-by the processing plan (``service.processing.plan``) before any memory is allocated.
+by the processing plan (``modelopt_fp8.processing.plan``) before any memory is allocated.
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ from typing import Any
 
 import torch
 
-from protocol.errors import CheckpointNotFoundError, InvalidConfigError
-from protocol.schemas.manifest import CheckpointDigests
-from service.checkpoint.architecture import ModelDims, read_dims
-from service.checkpoint.fingerprint import checkpoint_digests, full_digest, identity_files
-from service.checkpoint.quant_config import MODEL_CONFIG, QuantConfig, read_quant_config
-from service.checkpoint.safetensors_files import (
+from modelopt_fp8.checkpoint.architecture import ModelDims, read_dims
+from modelopt_fp8.checkpoint.fingerprint import checkpoint_digests, full_digest, identity_files
+from modelopt_fp8.checkpoint.quant_config import MODEL_CONFIG, QuantConfig, read_quant_config
+from modelopt_fp8.checkpoint.safetensors_files import (
     TensorInfo,
     TensorReader,
     index_tensors,
     unreadable,
     weight_files,
 )
+from protocol.errors import CheckpointNotFoundError, InvalidConfigError
+from protocol.schemas.manifest import CheckpointDigests
 
 
 @dataclass

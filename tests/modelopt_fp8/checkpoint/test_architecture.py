@@ -6,8 +6,13 @@ from typing import Any
 
 import pytest
 
+from modelopt_fp8.checkpoint.architecture import (
+    Parallelism,
+    kv_scale_names,
+    linear_specs,
+    read_dims,
+)
 from protocol.errors import InvalidConfigError, UnsupportedArchitectureError
-from service.checkpoint.architecture import Parallelism, kv_scale_names, linear_specs, read_dims
 
 
 def config(arch: str = "LlamaForCausalLM", **over: Any) -> dict[str, object]:

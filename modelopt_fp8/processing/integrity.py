@@ -14,8 +14,8 @@ import math
 
 import torch
 
+from modelopt_fp8.processing.fp8 import FP8_DTYPE
 from protocol.errors import CorruptFileError
-from service.processing.fp8 import FP8_DTYPE
 
 _E4M3_NAN_BITS = 0x7F
 _CHUNK = 1 << 22  # elements per reduction: keeps the masked temporary in cache

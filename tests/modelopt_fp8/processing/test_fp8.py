@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from service.processing.fp8 import (
+from modelopt_fp8.processing.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
     FP8_MIN_SCALING_FACTOR,

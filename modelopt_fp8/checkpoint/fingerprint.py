@@ -32,9 +32,9 @@ from pathlib import Path
 
 import xxhash
 
+from modelopt_fp8.checkpoint.safetensors_files import INDEX_FILE, read_raw_header, weight_files
 from protocol.errors import CorruptFileError
 from protocol.schemas.manifest import CheckpointDigests
-from service.checkpoint.safetensors_files import INDEX_FILE, read_raw_header, weight_files
 
 _CONFIG_FILES = ("config.json", "hf_quant_config.json")
 _DOMAIN = b"weight-cache checkpoint identity v2\0"

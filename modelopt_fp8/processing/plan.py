@@ -12,6 +12,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from modelopt_fp8.checkpoint import Checkpoint, LinearSpec
+from modelopt_fp8.checkpoint.architecture import kv_scale_names, linear_specs
+from modelopt_fp8.checkpoint.safetensors_files import TensorInfo
+from modelopt_fp8.processing.cutlass import pad_to_alignment, weight_storage_shape, weight_view
+from modelopt_fp8.processing.fp8 import FP8_DTYPE
+from modelopt_fp8.processing.tensor_parallel import ShardSlice, check_tp_size, shard_slice
 from protocol.errors import (
     InvalidScaleError,
     MissingTensorError,
@@ -28,12 +34,6 @@ from protocol.schemas.layout import (
     Scheme,
     WeightFormat,
 )
-from service.checkpoint import Checkpoint, LinearSpec
-from service.checkpoint.architecture import kv_scale_names, linear_specs
-from service.checkpoint.safetensors_files import TensorInfo
-from service.processing.cutlass import pad_to_alignment, weight_storage_shape, weight_view
-from service.processing.fp8 import FP8_DTYPE
-from service.processing.tensor_parallel import ShardSlice, check_tp_size, shard_slice
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # vLLM never loads these

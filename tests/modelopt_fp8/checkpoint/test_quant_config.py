@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from modelopt_fp8.checkpoint.architecture import PACKED_MODULES
+from modelopt_fp8.checkpoint.quant_config import QuantConfig, read_quant_config
 from protocol.errors import (
     InvalidConfigError,
     NotModelOptCheckpointError,
     UnsupportedQuantAlgoError,
 )
-from service.checkpoint.architecture import PACKED_MODULES
-from service.checkpoint.quant_config import QuantConfig, read_quant_config
 
 PACKED = dict(PACKED_MODULES)
 

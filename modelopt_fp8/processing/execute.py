@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.processing.fp8 import apply_code_lut, requantize_lut
+from modelopt_fp8.processing.integrity import require_finite
+from modelopt_fp8.processing.plan import CarriedPlan, LinearPlan, ModelPlan, TensorSpec
 from protocol.schemas.layout import Scheme
-from service.checkpoint import Checkpoint
-from service.processing.fp8 import apply_code_lut, requantize_lut
-from service.processing.integrity import require_finite
-from service.processing.plan import CarriedPlan, LinearPlan, ModelPlan, TensorSpec
 
 # Hands out contiguous storage (shape ``spec.storage_shape``, dtype ``spec.dtype``) to write into.
 StorageFor = Callable[[TensorSpec], torch.Tensor]

@@ -1,7 +1,7 @@
 """Processing checkpoints for vLLM's CUTLASS FP8 kernel, byte-identical to vLLM 0.33."""
 
-from service.processing.execute import execute_plan, fill_linear, load_processed
-from service.processing.plan import (
+from modelopt_fp8.processing.execute import execute_plan, fill_linear, load_processed
+from modelopt_fp8.processing.plan import (
     CarriedPlan,
     LinearPlan,
     ModelPlan,

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from modelopt_fp8.checkpoint import Checkpoint, IdentityTier, checkpoint_fingerprint
+from modelopt_fp8.checkpoint.fingerprint import SAMPLE_BYTES, SAMPLE_WINDOWS, sample_windows
 from protocol.errors import CorruptFileError
-from service.checkpoint import Checkpoint, IdentityTier, checkpoint_fingerprint
-from service.checkpoint.fingerprint import SAMPLE_BYTES, SAMPLE_WINDOWS, sample_windows
 from service.demo import write_demo_checkpoint
 from tests.checkpoint_tools import rewrite_tensors
 

@@ -107,8 +107,8 @@ def build_settings(**flags: Any) -> DaemonSettings:
     id through the local Hugging Face cache) and made absolute. Raises :class:`SettingsError`."""
     from pydantic import ValidationError
 
+    from modelopt_fp8.checkpoint.locate import locate_checkpoint
     from protocol.errors import WeightCacheError
-    from service.checkpoint.locate import locate_checkpoint
     from service.settings import DaemonSettings
 
     given = {k: v for k, v in flags.items() if v not in (None, ())}
