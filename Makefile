@@ -42,8 +42,8 @@ run: $(DAEMON_STAMP)
 	$(VENV)/bin/weight-cache serve
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check service engine_client tests bench
-	$(VENV)/bin/ruff format --check service engine_client tests bench
+	$(VENV)/bin/ruff check protocol modelopt_fp8 service engine_client weight_cache_cli tests bench
+	$(VENV)/bin/ruff format --check protocol modelopt_fp8 service engine_client weight_cache_cli tests bench
 	$(VENV)/bin/mypy
 
 test: lint deploy-tools
@@ -73,8 +73,8 @@ test-vllm: $(VLLM_VENV)/.weight-cache-deps
 	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest tests/vllm
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format service engine_client tests bench
-	$(VENV)/bin/ruff check --fix service engine_client tests bench
+	$(VENV)/bin/ruff format protocol modelopt_fp8 service engine_client weight_cache_cli tests bench
+	$(VENV)/bin/ruff check --fix protocol modelopt_fp8 service engine_client weight_cache_cli tests bench
 
 openapi: $(STAMP)
 	$(VENV)/bin/weight-cache openapi > openapi.json

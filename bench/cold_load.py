@@ -39,16 +39,16 @@ import torch
 from safetensors.torch import load_file
 
 from bench.common import CACHE, shm_scratch, warm_page_cache
-from service.checkpoint import Checkpoint
-from service.checkpoint.opened import PathPolicy
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.checkpoint.opened import PathPolicy
+from modelopt_fp8.processing import ModelPlan, plan_model
+from modelopt_fp8.processing.execute import requantize_maps
+from protocol.devices import Placement
+from protocol.schemas.layout import Scheme
+from protocol.schemas.manifest import DaemonIdentity, DeviceKind
 from service.demo import SHAPES, write_demo_checkpoint
-from service.memory.devices import Placement
 from service.memory.shm import ArenaDir
-from service.processing import ModelPlan, plan_model
-from service.processing.execute import requantize_maps
 from service.registry.loader import LoadRequest, Progress, ResidentRank, load_model
-from service.schemas.layout import Scheme
-from service.schemas.manifest import DaemonIdentity, DeviceKind
 
 VLLM_LINE = re.compile(r"Model loading took ([\d.]+) GiB(?: memory)? and ([\d.]+) s")
 

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from bench.common import CACHE, demo_checkpoint
-from service.checkpoint import checkpoint_fingerprint
+from modelopt_fp8.checkpoint import checkpoint_fingerprint
 from tests.checkpoint_tools import rewrite_header
 from tests.daemon_process import DaemonProcess, lease_body, start_daemon
 from tests.hostile.probe import HealthProbe

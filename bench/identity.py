@@ -17,8 +17,8 @@ import torch
 
 from bench.common import demo_checkpoint, median_seconds, warm_page_cache
 from engine_client.verify import Expectations
-from service.checkpoint import Checkpoint, IdentityTier, checkpoint_fingerprint
-from service.checkpoint.fingerprint import sampled_digest
+from modelopt_fp8.checkpoint import Checkpoint, IdentityTier, checkpoint_fingerprint
+from modelopt_fp8.checkpoint.fingerprint import sampled_digest
 
 TARGET_MS = 20.0
 

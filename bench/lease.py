@@ -30,7 +30,7 @@ import httpx
 
 from bench.common import CACHE, demo_checkpoint, percentile, shm_scratch
 from engine_client.client import AsyncDaemonClient, ClientConfig
-from service.errors import WeightCacheError
+from protocol.errors import WeightCacheError
 from tests.daemon_process import start_daemon
 
 

@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 
 from bench.cold_load import daemon_load, release
 from bench.common import demo_checkpoint, median_seconds, shm_scratch, warm_page_cache
-from service.checkpoint import Checkpoint
-from service.processing import load_processed, plan_model
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.processing import load_processed, plan_model
 from tests import reference_processing
 
 

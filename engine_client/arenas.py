@@ -2,9 +2,9 @@
 the shared-memory file mapped read-only.
 
 Whatever stops the open is raised typed from here: a shared-memory file that is gone, not
-readable or of the wrong size is :class:`~service.errors.ArenaUnavailableError`; CUDA refusing a
+readable or of the wrong size is :class:`~protocol.errors.ArenaUnavailableError`; CUDA refusing a
 handle (another IPC namespace, a dead daemon, a driver error) is
-:class:`~service.errors.IpcOpenError`."""
+:class:`~protocol.errors.IpcOpenError`."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from service.errors import ArenaUnavailableError, IpcOpenError, VerificationError
-from service.memory.cuda_ipc import open_cuda_arena, release_cuda_export
-from service.memory.devices import cuda_index_for_uuid
-from service.memory.shm import map_read_only
-from service.reasons import Reason
-from service.schemas.manifest import ArenaDescriptor, ArenaHandle, CudaIpcHandle
+from protocol.cuda_ipc import open_cuda_arena, release_cuda_export
+from protocol.devices import cuda_index_for_uuid
+from protocol.errors import ArenaUnavailableError, IpcOpenError, VerificationError
+from protocol.reasons import Reason
+from protocol.schemas.manifest import ArenaDescriptor, ArenaHandle, CudaIpcHandle
+from protocol.shm import map_read_only
 
 
 @dataclass

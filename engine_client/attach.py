@@ -22,12 +22,11 @@ from engine_client.arenas import OpenedArena, open_arena, release_unopened
 from engine_client.client import ClientConfig, DaemonClient
 from engine_client.fallback import typed_failures
 from engine_client.verify import Expectations, verify_checksums, verify_grant
-from service.dtypes import to_torch
-from service.errors import DaemonUnavailableError, WeightCacheError
-from service.reasons import Reason
-from service.schemas.layout import LayerLayout
-from service.schemas.leases import LeaseGrant
-from service.schemas.manifest import Manifest
+from protocol.errors import DaemonUnavailableError, WeightCacheError
+from protocol.reasons import Reason
+from protocol.schemas.layout import LayerLayout
+from protocol.schemas.leases import LeaseGrant
+from protocol.schemas.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +102,8 @@ def _rebuild(
     """(views, storages) for every tensor of the manifest, all pointing into ``base``."""
     views, storages = {}, {}
     for t in manifest.tensors:
-        storage = base[t.offset : t.offset + t.nbytes].view(to_torch(t.dtype))
-        storages[t.name] = storage
-        views[t.name] = storage.as_strided(t.shape, t.stride)
+        storages[t.name] = t.storage(base)
+        views[t.name] = t.view(base)
     return views, storages
 
 

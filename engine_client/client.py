@@ -1,8 +1,8 @@
 """HTTP clients for the daemon's API, sync and async, over TCP or a Unix socket.
 
 Every error body is turned back into the typed error the daemon raised
-(:func:`service.errors.error_from_problem`); a daemon that cannot be reached raises
-:class:`~service.errors.DaemonUnavailableError`. Requests that are safe to repeat (reads, renew,
+(:func:`protocol.errors.error_from_problem`); a daemon that cannot be reached raises
+:class:`~protocol.errors.DaemonUnavailableError`. Requests that are safe to repeat (reads, renew,
 release) are retried a bounded number of times on connection errors; a lease grant is not, since a
 grant that reached the daemon but whose answer was lost would leak a lease.
 """
@@ -21,22 +21,22 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from service.errors import (
+from protocol.errors import (
     BadResponseError,
     DaemonUnavailableError,
     VerificationError,
     WeightCacheError,
     error_from_problem,
 )
-from service.reasons import Reason
-from service.schemas.health import Health, Readiness
-from service.schemas.inventory import Inventory
-from service.schemas.layout import Kernel, WeightFormat
-from service.schemas.leases import LeaseGrant, LeaseInfo, LeaseRequest
-from service.schemas.manifest import Manifest
-from service.schemas.models import ModelInfo
-from service.tokens import resolve_token
-from service.version import DEFAULT_PORT
+from protocol.reasons import Reason
+from protocol.schemas.health import Health, Readiness
+from protocol.schemas.inventory import Inventory
+from protocol.schemas.layout import Kernel, WeightFormat
+from protocol.schemas.leases import LeaseGrant, LeaseInfo, LeaseRequest
+from protocol.schemas.manifest import Manifest
+from protocol.schemas.models import ModelInfo
+from protocol.tokens import resolve_token
+from protocol.version import DEFAULT_PORT
 
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
 T = TypeVar("T", bound=BaseModel)
@@ -71,7 +71,7 @@ class ClientConfig:
         """The environment under the ``overrides`` given (None: not given). The daemon's own
         variables say where it is (``WEIGHT_CACHE_UDS``, else ``WEIGHT_CACHE_URL``, else
         ``WEIGHT_CACHE_HOST``/``_PORT``); a ``url`` given explicitly beats an inherited socket.
-        The token follows :func:`service.tokens.resolve_token`."""
+        The token follows :func:`protocol.tokens.resolve_token`."""
         given = {k: v for k, v in overrides.items() if v is not None}
         values: dict[str, Any] = {"url": daemon_url(os.environ)}
         if "url" not in given:

@@ -1,5 +1,5 @@
 """Fallback is total: every failure between asking for a lease and a bound model becomes one
-typed :class:`~service.errors.WeightCacheError` with one :class:`~service.reasons.Reason`,
+typed :class:`~protocol.errors.WeightCacheError` with one :class:`~protocol.reasons.Reason`,
 which is logged once, counted, and then either falls back or is raised.
 
 Foreign exceptions are mapped where they arise (the HTTP client, opening the arena, rebuilding
@@ -15,14 +15,14 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from service.errors import (
+from protocol.errors import (
     AttachError,
     CheckpointError,
     LeaseNotFoundError,
     VerificationError,
     WeightCacheError,
 )
-from service.reasons import Reason
+from protocol.reasons import Reason
 
 log = logging.getLogger(__name__)
 

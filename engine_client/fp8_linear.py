@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from service.processing.fp8 import quantize_per_token, quantize_static
-from service.schemas.layout import ActivationQuant, LayerLayout, Scheme
+from modelopt_fp8.processing.fp8 import quantize_per_token, quantize_static
+from protocol.schemas.layout import ActivationQuant, LayerLayout, Scheme
 
 
 @dataclass(frozen=True)

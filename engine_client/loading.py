@@ -3,7 +3,7 @@ through the same processing code, never silently.
 
 With ``fallback=True`` any reason not to attach (no daemon, model unknown or failed, a
 verification failure, an arena that cannot be opened, any exception at all on the way) is
-logged once, counted and returned, as a :class:`~service.reasons.Reason`, with the weights
+logged once, counted and returned, as a :class:`~protocol.reasons.Reason`, with the weights
 loaded from disk; with ``fallback=False`` it is raised as a typed error.
 """
 
@@ -21,11 +21,11 @@ from engine_client.attach import Attachment, attach
 from engine_client.client import ClientConfig
 from engine_client.fallback import FALLBACKS, as_weight_cache_error, reason_of, record_fallback
 from engine_client.verify import Expectations
-from service.checkpoint import Checkpoint
-from service.errors import ModelLoadingError
-from service.processing import load_processed, plan_model
-from service.reasons import Reason
-from service.schemas.layout import LayerLayout
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.processing import load_processed, plan_model
+from protocol.errors import ModelLoadingError
+from protocol.reasons import Reason
+from protocol.schemas.layout import LayerLayout
 
 __all__ = [
     "FALLBACKS",

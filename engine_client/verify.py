@@ -1,6 +1,6 @@
 """Checks a manifest must pass before any leased tensor is used.
 
-Each failure is a :class:`~service.errors.VerificationError` whose ``reason`` says which check
+Each failure is a :class:`~protocol.errors.VerificationError` whose ``reason`` says which check
 failed, so a fallback can state exactly why the engine loaded from disk instead.
 """
 
@@ -12,17 +12,17 @@ from typing import Any
 
 import torch
 
-from service.checkpoint import DEFAULT_TIER, Checkpoint, Fingerprint, IdentityTier
-from service.checkpoint.fingerprint import checkpoint_fingerprint
-from service.checkpoint.quant_config import QuantConfig
-from service.errors import VerificationError
-from service.memory.checksum import storage_checksum
-from service.memory.devices import Placement
-from service.reasons import Reason
-from service.schemas.layout import Kernel, Scheme, WeightFormat
-from service.schemas.leases import LeaseGrant
-from service.schemas.manifest import DeviceKind, Manifest, ShmHandle
-from service.version import PROTOCOL_VERSION
+from modelopt_fp8.checkpoint import DEFAULT_TIER, Checkpoint, Fingerprint, IdentityTier
+from modelopt_fp8.checkpoint.fingerprint import checkpoint_fingerprint
+from modelopt_fp8.checkpoint.quant_config import QuantConfig
+from protocol.checksum import storage_checksum
+from protocol.devices import Placement
+from protocol.errors import VerificationError
+from protocol.reasons import Reason
+from protocol.schemas.layout import Kernel, Scheme, WeightFormat
+from protocol.schemas.leases import LeaseGrant
+from protocol.schemas.manifest import DeviceKind, Manifest, ShmHandle
+from protocol.version import PROTOCOL_VERSION
 
 __all__ = ["Expectations", "Reason", "verify_checksums", "verify_grant"]
 

@@ -64,15 +64,15 @@ from engine_client.fallback import as_weight_cache_error, record_fallback
 from engine_client.loader_options import LoaderOptions
 from engine_client.loading import attach_waiting
 from engine_client.verify import Expectations
-from service.checkpoint import Fingerprint, IdentityTier, checkpoint_fingerprint
-from service.errors import (
+from modelopt_fp8.checkpoint import Fingerprint, IdentityTier, checkpoint_fingerprint
+from protocol.errors import (
     ModelNotFoundError,
     VerificationError,
     WeightCacheError,
 )
-from service.reasons import Reason
-from service.schemas.layout import CarriedKind, CarriedLayout, Kernel, LayerLayout, Scheme
-from service.schemas.models import ModelState
+from protocol.reasons import Reason
+from protocol.schemas.layout import CarriedKind, CarriedLayout, Kernel, LayerLayout, Scheme
+from protocol.schemas.models import ModelState
 
 log = logging.getLogger(__name__)
 

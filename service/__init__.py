@@ -1,10 +1,10 @@
 """weight-cache daemon: loads ModelOpt FP8 checkpoints once, processes them for CUTLASS, keeps
 them resident and lends them to engines.
 
-Only the checkpoint, processing, memory-codec, schema and error modules are imported by the
-engine side; everything that needs FastAPI lives under ``service.api``.
+The wire contract both sides share lives in ``protocol``; everything that needs FastAPI lives
+under ``service.api``. Nothing outside the daemon imports this package.
 """
 
-from service.version import PROTOCOL_VERSION, __version__
+from protocol.version import PROTOCOL_VERSION, __version__
 
 __all__ = ["PROTOCOL_VERSION", "__version__"]

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
-from service.checkpoint.opened import CheckpointDir, PathPolicy
-from service.checkpoint.safetensors_files import INDEX_FILE
-from service.errors import (
+from modelopt_fp8.checkpoint.opened import CheckpointDir, PathPolicy
+from modelopt_fp8.checkpoint.safetensors_files import INDEX_FILE
+from protocol.checksum import storage_checksum
+from protocol.errors import (
     ArenaCorruptedError,
     ArenaLostError,
     InsufficientMemoryError,
@@ -33,23 +34,22 @@ from service.errors import (
     TooManyLeasesError,
     WeightCacheError,
 )
+from protocol.schemas.health import Health, Readiness
+from protocol.schemas.inventory import Inventory
+from protocol.schemas.layout import Kernel, WeightFormat
+from protocol.schemas.leases import LeaseInfo, LeaseRequest
+from protocol.schemas.manifest import ArenaDescriptor, CheckpointIdentity, DaemonIdentity
+from protocol.schemas.models import ModelInfo, ModelState, default_model_id
+from protocol.version import PROTOCOL_VERSION, __version__
 from service.logsafe import get_logger
-from service.memory.checksum import storage_checksum
 from service.memory.devices import device_infos, process_alive, resolve_placements
 from service.memory.shm import ArenaDir, remove_stale_files
-from service.metrics import Metrics
+from service.metrics import Metrics, StateSnapshot
 from service.registry.grant import Grant
 from service.registry.leases import Lease, LeaseEnd, LeaseTable
 from service.registry.loader import LoadCancelled, LoadRequest, load_model
 from service.registry.models import ModelRecord
-from service.schemas.health import Health, Readiness
-from service.schemas.inventory import Inventory
-from service.schemas.layout import Kernel, WeightFormat
-from service.schemas.leases import LeaseInfo, LeaseRequest
-from service.schemas.manifest import ArenaDescriptor, CheckpointIdentity, DaemonIdentity
-from service.schemas.models import ModelInfo, ModelState, default_model_id
 from service.settings import DaemonSettings
-from service.version import PROTOCOL_VERSION, __version__
 
 log = get_logger(__name__)
 
@@ -73,7 +73,7 @@ class Daemon:
         # stops the server and exits non-zero.
         self.startup_failure: tuple[str, WeightCacheError] | None = None
         self.on_startup_failure: Callable[[], None] | None = None
-        self.metrics = Metrics(self)
+        self.metrics = Metrics(self.metrics_snapshot)
         self.identity = DaemonIdentity(
             boot_id=self.boot_id,
             protocol_version=PROTOCOL_VERSION,
@@ -493,6 +493,16 @@ class Daemon:
         return failed
 
     # --- views ---------------------------------------------------------------------------------
+
+    def metrics_snapshot(self) -> StateSnapshot:
+        """What the state gauges show, read under the lock at scrape time."""
+        with self.lock:
+            counts: dict[str, int] = {"loading": 0, "ready": 0, "failed": 0}
+            resident: dict[str, int] = {}
+            for record in self.models.values():
+                counts[record.state.value] += 1
+                resident[record.id] = record.bytes_resident
+            return StateSnapshot(counts, resident, self.leases.count())
 
     def health(self) -> Health:
         return Health(

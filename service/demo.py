@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from service.checkpoint.architecture import LinearSpec, ModelDims, linear_specs
-from service.checkpoint.quant_config import FP8, FP8_PER_CHANNEL_PER_TOKEN
-from service.processing.fp8 import FP8_DTYPE, FP8_MAX
-from service.version import __version__
+from modelopt_fp8.checkpoint.architecture import LinearSpec, ModelDims, linear_specs
+from modelopt_fp8.checkpoint.quant_config import FP8, FP8_PER_CHANNEL_PER_TOKEN
+from modelopt_fp8.processing.fp8 import FP8_DTYPE, FP8_MAX
+from protocol.version import __version__
 
 SCHEMES = {"fp8": FP8, "fp8-pc-pt": FP8_PER_CHANNEL_PER_TOKEN}
 INDEX_FILE = "model.safetensors.index.json"

@@ -1,25 +1,32 @@
 """Prometheus metrics, one registry per daemon (so several daemons can live in one test process).
 
 Counters and histograms are updated where things happen; gauges of state (models, bytes,
-active leases) are read from the daemon at scrape time, so they can never drift from it.
+active leases) are read at scrape time from a :class:`StateSnapshot` the daemon hands over, so
+they can never drift from it (and this module needs nothing of the daemon).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from service.daemon import Daemon
+
+@dataclass(frozen=True)
+class StateSnapshot:
+    """The daemon's state the gauges show, taken under its lock at scrape time."""
+
+    models_by_state: dict[str, int] = field(default_factory=dict)
+    bytes_resident: dict[str, int] = field(default_factory=dict)
+    leases_active: int = 0
 
 
 class _StateCollector(Collector):
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    def __init__(self, snapshot: Callable[[], StateSnapshot]) -> None:
+        self.snapshot = snapshot
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         models = GaugeMetricFamily("weight_cache_models", "Models by state", labels=["state"])
@@ -27,22 +34,19 @@ class _StateCollector(Collector):
             "weight_cache_bytes_resident", "Arena bytes held, by model", labels=["model"]
         )
         leases = GaugeMetricFamily("weight_cache_leases_active", "Active leases")
-        with self.daemon.lock:
-            counts: dict[str, int] = {"loading": 0, "ready": 0, "failed": 0}
-            for record in self.daemon.models.values():
-                counts[record.state.value] += 1
-                resident.add_metric([record.id], record.bytes_resident)
-            active = self.daemon.leases.count()
-        for state, n in counts.items():
-            models.add_metric([state], n)
-        leases.add_metric([], active)
+        state = self.snapshot()
+        for model, nbytes in state.bytes_resident.items():
+            resident.add_metric([model], nbytes)
+        for name, n in state.models_by_state.items():
+            models.add_metric([name], n)
+        leases.add_metric([], state.leases_active)
         yield models
         yield resident
         yield leases
 
 
 class Metrics:
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, snapshot: Callable[[], StateSnapshot]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.leases_granted = Counter("weight_cache_leases_granted", "Leases granted", registry=r)
@@ -81,4 +85,4 @@ class Metrics:
         self.scrubs = Counter(
             "weight_cache_scrubs", "Completed scrubs of every resident arena", registry=r
         )
-        r.register(_StateCollector(daemon))
+        r.register(_StateCollector(snapshot))

@@ -17,11 +17,11 @@ from typing import Annotated, Any
 from pydantic import AliasChoices, ByteSize, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from protocol.errors import UnauthorizedError
+from protocol.schemas.models import default_model_id
+from protocol.tokens import read_token_file
+from protocol.version import DEFAULT_PORT
 from service.env import ENV_PREFIX, check_environment, env_names, known_variables
-from service.errors import UnauthorizedError
-from service.schemas.models import default_model_id
-from service.tokens import read_token_file
-from service.version import DEFAULT_PORT
 
 __all__ = ["DEFAULT_PORT", "DaemonSettings", "check_environment", "env_names", "known_variables"]
 
@@ -86,7 +86,10 @@ class DaemonSettings(BaseSettings):
         description="group that may map arenas (dir 0750, files 0640); default: owner only",
     )
     scrub_interval_s: float = Field(
-        default=0.0, ge=0, description="re-check resident arenas' checksums every N s (0: off)"
+        default=0.0,
+        ge=0,
+        description="re-check resident arenas' checksums every N s (0: off)",
+        validation_alias=_env("scrub_interval_s"),
     )
     max_leases: int = Field(default=4096, ge=1, description="active leases, all clients")
     max_leases_per_client: int = Field(
@@ -97,7 +100,10 @@ class DaemonSettings(BaseSettings):
         default=32 * 1024, ge=1024, description="request line and headers of one request"
     )
     request_timeout_s: float = Field(
-        default=10.0, gt=0, description="time a client has to send a whole request"
+        default=10.0,
+        gt=0,
+        description="time a client has to send a whole request",
+        validation_alias=_env("request_timeout_s"),
     )
     follow_symlinks: bool = Field(
         default=True,
@@ -123,7 +129,7 @@ class DaemonSettings(BaseSettings):
     @model_validator(mode="after")
     def _token_from_file(self) -> DaemonSettings:
         """A token file, when given (by flag or environment), wins over a token value: the one
-        precedence rule clients follow too (:func:`service.tokens.resolve_token`). A token is
+        precedence rule clients follow too (:func:`protocol.tokens.resolve_token`). A token is
         compared without surrounding whitespace, and one of whitespace alone is no token."""
         if self.token_file is not None:
             try:

@@ -105,7 +105,7 @@ def start_daemon(
     args = [
         sys.executable,
         "-m",
-        "service.cli",
+        "weight_cache_cli",
         "serve",
         "--port",
         str(port),

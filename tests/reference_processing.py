@@ -2,7 +2,7 @@
 check, requantize with a byte table, pad, one layer after another in one thread.
 
 Kept verbatim (apart from the helpers it used being inlined here) as the reference the fast path
-in ``service.processing.execute`` is compared with byte for byte. The vLLM arithmetic itself
+in ``modelopt_fp8.processing.execute`` is compared with byte for byte. The vLLM arithmetic itself
 (``requantize_lut``) is shared: ``tests/vllm_reference.py`` checks it independently.
 """
 
@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from service.checkpoint import Checkpoint
-from service.errors import CorruptFileError
-from service.processing.fp8 import FP8_DTYPE, requantize_lut
-from service.processing.plan import CarriedPlan, LinearPlan, ModelPlan, TensorSpec, plan_model
-from service.schemas.layout import Scheme
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.processing.fp8 import FP8_DTYPE, requantize_lut
+from modelopt_fp8.processing.plan import CarriedPlan, LinearPlan, ModelPlan, TensorSpec, plan_model
+from protocol.errors import CorruptFileError
+from protocol.schemas.layout import Scheme
 
 _E4M3_NAN_BITS = 0x7F
 _CHUNK = 1 << 22  # elements per reduction: keeps the masked temporary in cache

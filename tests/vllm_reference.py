@@ -1,5 +1,5 @@
 """An independent restatement of what vLLM 0.33 does to a ModelOpt FP8 linear layer, step by step
-in vLLM's own order, used to check ``service.processing`` byte for byte.
+in vLLM's own order, used to check ``modelopt_fp8.processing`` byte for byte.
 
 It shares no code with the implementation under test. Each step names the vLLM 0.33.0 source it
 restates:

@@ -11,13 +11,13 @@ from collections.abc import AsyncIterator, Callable
 import anyio.to_thread
 from fastapi import Depends, FastAPI
 
+from protocol.version import __version__
 from service.api import problems
 from service.api.auth import require_token
 from service.api.limits import BodySizeLimit
 from service.api.routes import health, inventory, leases, metrics, models
 from service.daemon import Daemon
 from service.settings import DaemonSettings
-from service.version import __version__
 
 log = logging.getLogger(__name__)
 

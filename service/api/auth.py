@@ -7,7 +7,7 @@ import hmac
 
 from fastapi import Request
 
-from service.errors import UnauthorizedError
+from protocol.errors import UnauthorizedError
 
 
 async def require_token(request: Request) -> None:

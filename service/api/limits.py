@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from protocol.errors import PayloadTooLargeError
 from service.api.problems import REFUSED, log_refusal, problem_response
-from service.errors import PayloadTooLargeError
 
 
 class BodySizeLimit:

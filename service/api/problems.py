@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.errors import (
+from protocol.errors import (
     InvalidRequestError,
     MethodNotAllowedError,
     ModelLoadingError,
@@ -18,8 +18,8 @@ from service.errors import (
     UnauthorizedError,
     WeightCacheError,
 )
+from protocol.schemas.problem import Problem
 from service.logsafe import get_logger
-from service.schemas.problem import Problem
 
 log = get_logger(__name__)
 

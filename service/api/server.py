@@ -22,14 +22,14 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from service.api.problems import PROBLEM_MEDIA_TYPE
-from service.errors import (
+from protocol.errors import (
     HeadersTooLargeError,
     MalformedRequestError,
     RequestTimeoutError,
     TooManyConnectionsError,
     WeightCacheError,
 )
+from service.api.problems import PROBLEM_MEDIA_TYPE
 from service.logsafe import get_logger
 from service.settings import DaemonSettings
 

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import torch
 
-from service.errors import InsufficientMemoryError, ShmDirError
-from service.memory.cuda_ipc import export_cuda_arena
-from service.memory.devices import Placement
+from modelopt_fp8.processing.plan import TensorSpec
+from protocol.cuda_ipc import export_cuda_arena
+from protocol.devices import Placement
+from protocol.errors import InsufficientMemoryError, ShmDirError
+from protocol.schemas.manifest import ArenaHandle, DeviceIdentity, DeviceKind, ShmHandle
 from service.memory.layout import ArenaLayout
 from service.memory.shm import ArenaDir, ShmFile
-from service.processing.plan import TensorSpec
-from service.schemas.manifest import ArenaHandle, DeviceIdentity, DeviceKind, ShmHandle
 
 
 def storage_view(base: torch.Tensor, offset: int, spec: TensorSpec) -> torch.Tensor:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from service.processing.cutlass import pad_to_alignment
-from service.processing.plan import TensorSpec
+from modelopt_fp8.processing.cutlass import pad_to_alignment
+from modelopt_fp8.processing.plan import TensorSpec
 
 ALIGNMENT = 256
 

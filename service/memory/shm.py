@@ -26,23 +26,14 @@ import os
 import re
 import secrets
 import stat
-import warnings
 from pathlib import Path
 
-import torch
-
-from service.errors import InsufficientMemoryError, ShmDirError
+from protocol.errors import InsufficientMemoryError, ShmDirError
+from protocol.shm import byte_tensor
 
 FILE_PREFIX = "weight-cache-"
 _STAGING_PREFIX = "." + FILE_PREFIX
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-
-
-def _frombuffer(buffer: mmap.mmap) -> torch.Tensor:
-    with warnings.catch_warnings():
-        # A read-only mapping is the point; torch warns that it is not writable.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
 def arena_dir_path(root: Path, uid: int | None = None) -> Path:
@@ -172,7 +163,7 @@ class ShmFile:
         self.path = directory.path / self.name
         self.nbytes = nbytes
         self._fd, mapping = directory.create(self.name, nbytes)
-        self.tensor = _frombuffer(mapping)
+        self.tensor = byte_tensor(mapping)
         del mapping  # the tensor holds the mapping; it is unmapped with the last view
 
     def close(self) -> None:
@@ -181,23 +172,6 @@ class ShmFile:
         del self.tensor
         self.directory.unlink(self.name)
         os.close(self._fd)
-
-
-def map_read_only(path: Path, nbytes: int) -> torch.Tensor:
-    """Map an arena file read-only in an engine, as a byte tensor. The tensor (and every view
-    of it) keeps the mapping alive; it is unmapped when the last one is gone, never under
-    them."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{path} is not a regular file")
-        if st.st_size != nbytes:
-            raise ValueError(f"{path} holds {st.st_size} bytes, the manifest says {nbytes}")
-        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    return _frombuffer(mapping)
 
 
 def _remove_one(dir_fd: int, name: str, seen: os.stat_result) -> bool:

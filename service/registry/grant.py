@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from pydantic import TypeAdapter
 
+from protocol.schemas.leases import LeaseGrant, LeaseInfo
+from protocol.schemas.manifest import ArenaDescriptor
 from service.registry.loader import ResidentRank
-from service.schemas.leases import LeaseGrant, LeaseInfo
-from service.schemas.manifest import ArenaDescriptor
 
 _ARENAS = TypeAdapter(list[ArenaDescriptor])
 

@@ -16,9 +16,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from service.errors import DaemonRestartedError, LeaseExpiredError, LeaseNotFoundError
+from protocol.errors import DaemonRestartedError, LeaseExpiredError, LeaseNotFoundError
+from protocol.schemas.leases import LeaseInfo
 from service.memory.devices import process_alive, process_start
-from service.schemas.leases import LeaseInfo
 
 _REMEMBERED_ENDINGS = 10_000
 

@@ -18,24 +18,24 @@ from pathlib import Path
 import torch
 import xxhash
 
-from service.checkpoint import Checkpoint
-from service.checkpoint.opened import PathPolicy
-from service.dtypes import to_wire
-from service.errors import InsufficientMemoryError
-from service.memory.arena import Arena, ShmArena, allocate_arena
-from service.memory.devices import Placement
-from service.memory.layout import pack
-from service.memory.shm import ArenaDir
-from service.processing import ModelPlan, execute_plan, plan_model
-from service.processing.execute import StorageFor
-from service.processing.fill import FileRange
-from service.schemas.manifest import (
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.checkpoint.opened import PathPolicy
+from modelopt_fp8.processing import ModelPlan, execute_plan, plan_model
+from modelopt_fp8.processing.execute import StorageFor
+from modelopt_fp8.processing.fill import FileRange
+from protocol.devices import Placement
+from protocol.dtypes import to_wire
+from protocol.errors import InsufficientMemoryError
+from protocol.schemas.manifest import (
     CheckpointIdentity,
     DaemonIdentity,
     DeviceKind,
     Manifest,
     TensorEntry,
 )
+from service.memory.arena import Arena, ShmArena, allocate_arena
+from service.memory.layout import pack
+from service.memory.shm import ArenaDir
 
 log = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from service.errors import WeightCacheError
+from protocol.errors import WeightCacheError
+from protocol.schemas.manifest import CheckpointIdentity
+from protocol.schemas.models import LoadProgress, ModelError, ModelInfo, ModelState
 from service.registry.loader import Progress, ResidentRank
-from service.schemas.manifest import CheckpointIdentity
-from service.schemas.models import LoadProgress, ModelError, ModelInfo, ModelState
 
 
 @dataclass(eq=False)  # identity: a record is one load, however alike two look

@@ -17,10 +17,10 @@ import torch
 from engine_client.attach import attach
 from engine_client.client import ClientConfig
 from engine_client.verify import Expectations
-from service.checkpoint import Checkpoint, checkpoint_fingerprint
-from service.checkpoint.quant_config import QuantConfig
-from service.errors import LayoutMismatchError, VerificationError
-from service.processing import load_processed, plan_model
+from modelopt_fp8.checkpoint import Checkpoint, checkpoint_fingerprint
+from modelopt_fp8.checkpoint.quant_config import QuantConfig
+from modelopt_fp8.processing import load_processed, plan_model
+from protocol.errors import LayoutMismatchError, VerificationError
 from tests.daemon_process import DaemonProcess
 
 CPU = torch.device("cpu")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine_client.client import AsyncDaemonClient, ClientConfig, DaemonClient
-from service.errors import (
+from protocol.errors import (
     DaemonUnavailableError,
     LayoutMismatchError,
     ModelNotFoundError,

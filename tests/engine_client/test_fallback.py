@@ -21,7 +21,7 @@ from engine_client.client import ClientConfig
 from engine_client.fallback import FALLBACKS, as_weight_cache_error, reason_of, typed_failures
 from engine_client.loading import load_weights
 from engine_client.verify import Expectations
-from service.errors import (
+from protocol.errors import (
     ArenaUnavailableError,
     AttachError,
     BadResponseError,
@@ -41,8 +41,8 @@ from service.errors import (
     WeightCacheError,
     error_from_problem,
 )
-from service.reasons import Reason
-from service.schemas.manifest import ArenaDescriptor, ShmHandle
+from protocol.reasons import Reason
+from protocol.schemas.manifest import ArenaDescriptor, ShmHandle
 from tests.daemon_process import DaemonProcess, lease_body
 
 CPU = torch.device("cpu")
@@ -91,7 +91,7 @@ def test_any_exception_becomes_typed() -> None:
 
 def test_no_raw_reason_strings_in_the_engine_side() -> None:
     """Reasons are spelled through the enum, never as string literals."""
-    sources = [*(ROOT / "engine_client").glob("*.py"), ROOT / "service" / "errors.py"]
+    sources = [*(ROOT / "engine_client").glob("*.py"), ROOT / "protocol" / "errors.py"]
     raw = [
         f"{path.name}: {m.group(0)}"
         for path in sources
@@ -247,8 +247,8 @@ def test_a_refused_ipc_handle_is_typed() -> None:
     """CUDA refusing a handle (here one no process exported) is ``ipc_open_failed``."""
     import base64
 
-    from service.memory.devices import cuda_uuid
-    from service.schemas.manifest import CudaIpcHandle
+    from protocol.devices import cuda_uuid
+    from protocol.schemas.manifest import CudaIpcHandle
 
     handle = CudaIpcHandle(
         device_uuid=cuda_uuid(0),

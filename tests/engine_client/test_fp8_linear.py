@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear, scaled_mm
-from service.checkpoint import Checkpoint
-from service.processing import load_processed, plan_model
-from service.processing.fp8 import quantize_per_token, quantize_static
-from service.schemas.layout import ActivationQuant
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.processing import load_processed, plan_model
+from modelopt_fp8.processing.fp8 import quantize_per_token, quantize_static
+from protocol.schemas.layout import ActivationQuant
 
 
 def reference(x: torch.Tensor, w: Fp8LinearWeights) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 from engine_client.client import ClientConfig
 from engine_client.loading import FALLBACKS, load_from_disk, load_weights
 from engine_client.verify import Expectations
-from service.errors import DaemonUnavailableError
+from protocol.errors import DaemonUnavailableError
 from tests.daemon_process import free_port
 
 CPU = torch.device("cpu")

@@ -13,13 +13,13 @@ import torch
 
 from engine_client.client import ClientConfig, DaemonClient
 from engine_client.verify import Expectations, verify_checksums, verify_grant
-from service.checkpoint import Fingerprint, IdentityTier
-from service.checkpoint.quant_config import QuantConfig
-from service.errors import VerificationError
-from service.reasons import Reason
-from service.schemas.layout import Scheme
-from service.schemas.leases import LeaseGrant
-from service.schemas.manifest import Manifest
+from modelopt_fp8.checkpoint import Fingerprint, IdentityTier
+from modelopt_fp8.checkpoint.quant_config import QuantConfig
+from protocol.errors import VerificationError
+from protocol.reasons import Reason
+from protocol.schemas.layout import Scheme
+from protocol.schemas.leases import LeaseGrant
+from protocol.schemas.manifest import Manifest
 from tests.daemon_process import start_daemon
 
 CPU = torch.device("cpu")

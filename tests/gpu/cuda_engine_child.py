@@ -12,7 +12,7 @@ import torch
 from engine_client.attach import attach
 from engine_client.client import ClientConfig
 from engine_client.verify import Expectations
-from service.memory.checksum import storage_checksum
+from protocol.checksum import storage_checksum
 
 
 def main() -> None:

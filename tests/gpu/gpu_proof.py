@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from engine_client.cli import run_layers
 from engine_client.client import ClientConfig
 from engine_client.loading import LoadResult, load_from_disk, load_weights
 from engine_client.verify import Expectations
 from service.demo import write_demo_checkpoint
 from tests.daemon_process import free_port, start_daemon
+from weight_cache_cli.attach import run_layers
 
 SCHEMES = ("fp8", "fp8-pc-pt")
 

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.checkpoint import Checkpoint
-from service.checkpoint.opened import PathPolicy
-from service.memory.checksum import storage_checksum
-from service.memory.devices import Placement
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.checkpoint.opened import PathPolicy
+from modelopt_fp8.processing import fill as fill_module
+from modelopt_fp8.processing import load_processed, plan_model
+from protocol.checksum import storage_checksum
+from protocol.devices import Placement
+from protocol.schemas.manifest import DaemonIdentity, DeviceKind
 from service.memory.shm import ArenaDir
-from service.processing import fill as fill_module
-from service.processing import load_processed, plan_model
 from service.registry.loader import LoadRequest, Progress, load_model
-from service.schemas.manifest import DaemonIdentity, DeviceKind
 from tests.conftest import MODELOPT_EXPORTS
 from tests.reference_processing import reference_storages
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.memory.checksum import storage_checksum
+from protocol.checksum import storage_checksum
 from tests.daemon_process import InProcessDaemon, make_settings
 
 pytestmark = pytest.mark.gpu
@@ -77,7 +77,7 @@ from pathlib import Path
 from engine_client.attach import attach
 from engine_client.client import ClientConfig
 from engine_client.verify import Expectations
-from service.errors import VerificationError
+from protocol.errors import VerificationError
 try:
     attach("tiny", Expectations.for_checkpoint(Path(sys.argv[2]), torch.device("cuda", 0)),
            config=ClientConfig(url=sys.argv[1]))
@@ -125,7 +125,7 @@ def test_verification_names_the_gpu_and_its_capability(tmp_path: Path, tiny_fp8:
     from engine_client.arenas import release_unopened
     from engine_client.client import ClientConfig, DaemonClient
     from engine_client.verify import Expectations, verify_grant
-    from service.errors import VerificationError
+    from protocol.errors import VerificationError
 
     with InProcessDaemon(make_settings(tmp_path, [tiny_fp8], device="cuda:0")) as served:
         with DaemonClient(ClientConfig(url=served.url)) as client:
@@ -177,7 +177,7 @@ import torch
 from engine_client.attach import attach
 from engine_client.client import ClientConfig
 from engine_client.verify import Expectations
-from service.errors import VerificationError
+from protocol.errors import VerificationError
 url, ckpt = sys.argv[1], Path(sys.argv[2])
 out = {"visible": torch.cuda.device_count()}
 for rank in (1, 0):
@@ -198,7 +198,7 @@ def test_tp_ranks_on_their_gpus_found_by_uuid(tmp_path: Path, tiny_fp8: Path) ->
     """``--device cuda`` puts rank r on GPU r. An engine that sees only GPU 1 (as its cuda:0)
     finds rank 1's arena by UUID and reads it intact, and refuses rank 0, on a GPU it cannot see.
     The inventory knows free memory for GPUs holding arenas."""
-    from service.memory.devices import cuda_uuid
+    from protocol.devices import cuda_uuid
 
     settings = make_settings(tmp_path, [tiny_fp8], device="cuda", tp_size=2)
     with InProcessDaemon(settings) as served:

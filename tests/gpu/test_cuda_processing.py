@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear
-from service.checkpoint import Checkpoint
-from service.checkpoint.opened import PathPolicy
-from service.memory.devices import Placement
-from service.processing import load_processed, plan_model
-from service.processing.fp8 import FP8_DTYPE, dequantize_to_fp16, quantize_static
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.checkpoint.opened import PathPolicy
+from modelopt_fp8.processing import load_processed, plan_model
+from modelopt_fp8.processing.fp8 import FP8_DTYPE, dequantize_to_fp16, quantize_static
+from protocol.devices import Placement
+from protocol.schemas.manifest import DaemonIdentity, DeviceKind
 from service.registry.loader import LoadRequest, Progress, load_model
-from service.schemas.manifest import DaemonIdentity, DeviceKind
 
 pytestmark = pytest.mark.gpu
 CODES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE)

@@ -52,7 +52,7 @@ def state_of(model: Any) -> dict[str, Any]:
 def _show_project_logs() -> None:
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
-    for name in ("engine_client", "service"):
+    for name in ("engine_client", "protocol", "service"):
         logger = logging.getLogger(name)
         logger.setLevel(logging.INFO)
         logger.addHandler(handler)

@@ -111,7 +111,7 @@ class Proof:
 
     def start_daemon(self, ckpts: dict[str, Path]) -> tuple[subprocess.Popen[bytes], str]:
         port = self.args.port
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port)]
+        cmd = [sys.executable, "-m", "weight_cache_cli", "serve", "--port", str(port)]
         cmd += ["--device", self.args.device, "--shm-dir", str(self.work / "shm")]
         (self.work / "shm").mkdir(exist_ok=True)
         for path in ckpts.values():

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.checkpoint import Checkpoint
-from service.errors import CorruptFileError, InvalidConfigError
+from modelopt_fp8.checkpoint import Checkpoint
+from protocol.errors import CorruptFileError, InvalidConfigError
 from tests.checkpoint_tools import rewrite_header, rewrite_json, rewrite_tensors
 from tests.hostile.conftest import Hostile
 from tests.hostile.probe import HealthProbe

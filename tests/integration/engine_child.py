@@ -22,12 +22,11 @@ from engine_client.attach import attach
 from engine_client.client import ClientConfig
 from engine_client.loading import load_weights
 from engine_client.verify import Expectations
-from service.checkpoint import IdentityTier
-from service.dtypes import to_torch
-from service.memory.checksum import storage_checksum
-from service.memory.shm import map_read_only
-from service.schemas.leases import LeaseGrant
-from service.schemas.manifest import ShmHandle
+from modelopt_fp8.checkpoint import IdentityTier
+from protocol.checksum import storage_checksum
+from protocol.schemas.leases import LeaseGrant
+from protocol.schemas.manifest import ShmHandle
+from protocol.shm import map_read_only
 from tests.daemon_process import lease_body
 
 
@@ -77,7 +76,7 @@ def main() -> None:
     out = {}
     for t in grant.full_manifest().tensors:
         storage = base[t.offset : t.offset + t.nbytes]
-        view = storage.view(to_torch(t.dtype)).as_strided(t.shape, t.stride)
+        view = t.view(base)
         out[t.name] = {
             "checksum": storage_checksum(storage),
             "dtype": str(view.dtype).removeprefix("torch."),

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import httpx
 
-from service.checkpoint import Checkpoint
-from service.memory.checksum import storage_checksum
-from service.processing import load_processed, plan_model
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.processing import load_processed, plan_model
+from protocol.checksum import storage_checksum
 from tests.daemon_process import DaemonProcess, lease_body, start_daemon, wait_for
 
 CHILD = [sys.executable, "-m", "tests.integration.engine_child"]

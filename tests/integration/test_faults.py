@@ -15,9 +15,10 @@ from engine_client.attach import attach
 from engine_client.client import ClientConfig
 from engine_client.loading import load_weights
 from engine_client.verify import Expectations
+from protocol.errors import DaemonRestartedError
+from protocol.shm import map_read_only
 from service.demo import write_demo_checkpoint
-from service.errors import DaemonRestartedError
-from service.memory.shm import arena_dir_path, map_read_only
+from service.memory.shm import arena_dir_path
 from tests.daemon_process import free_port, lease_body, start_daemon, wait_for
 
 CPU = torch.device("cpu")

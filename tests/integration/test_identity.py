@@ -16,7 +16,7 @@ import pytest
 from service.demo import write_demo_checkpoint
 from tests.daemon_process import DaemonProcess, start_daemon, wait_for
 
-CLI = [sys.executable, "-m", "service.cli"]
+CLI = [sys.executable, "-m", "weight_cache_cli"]
 CHILD = [sys.executable, "-m", "tests.integration.engine_child"]
 
 

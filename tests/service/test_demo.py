@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from service.checkpoint import Checkpoint
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.processing import plan_model
 from service.demo import SHAPES, write_demo_checkpoint
-from service.processing import plan_model
 from tests.checkpoint_tools import all_tensors
 from tests.conftest import FIXTURES
 

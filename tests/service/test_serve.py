@@ -14,7 +14,7 @@ import httpx
 
 from tests.daemon_process import free_port, start_daemon, wait_for
 
-CLI = [sys.executable, "-m", "service.cli"]
+CLI = [sys.executable, "-m", "weight_cache_cli"]
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
@@ -36,7 +36,7 @@ def test_help_imports_neither_torch_nor_fastapi() -> None:
     code = """
 import sys
 from click.testing import CliRunner
-from service.cli import cli
+from weight_cache_cli import cli
 for args in (["--help"], ["serve", "--help"], ["status", "--help"], ["attach", "--help"],
              ["demo-checkpoint", "--help"], ["openapi", "--help"]):
     result = CliRunner().invoke(cli, args)
@@ -52,7 +52,7 @@ print(" ".join(heavy))
 
 def test_demo_choices_match_the_generator() -> None:
     from service import demo
-    from service.cli import demo as command
+    from weight_cache_cli import demo as command
 
     assert set(command.SHAPES) == set(demo.SHAPES) and set(command.SCHEMES) == set(demo.SCHEMES)
 
@@ -169,9 +169,9 @@ def test_log_level_and_json_format_govern_uvicorn_too(tmp_path: Path, tiny_fp8: 
     loggers = {r["logger"] for r in records}
     assert "uvicorn.error" in loggers and "service.daemon" in loggers
     refused = [r["message"] for r in records if r["message"].startswith("refused ")]
-    # the client's control characters travel escaped in the JSON, never raw
-    assert "refused GET /v1/models/\x1b[31mforged\x07: 422 invalid_request" in " ".join(refused)
-    assert "\x1b" not in log.read_text() and "\\u001b" in log.read_text()
+    # the client's control characters are escaped in the message itself, never logged raw
+    assert "refused GET /v1/models/\\x1b[31mforged\\x07: 422 invalid_request" in " ".join(refused)
+    assert "\x1b" not in log.read_text() and "\\u001b" not in log.read_text()
     assert any(m.startswith("refused POST /v1/leases: 413 payload_too_large") for m in refused)
 
 

@@ -156,7 +156,7 @@ def test_fallback_false_raises(tiny_fp8: Path) -> None:
     from vllm.model_executor.model_loader import get_model_loader
 
     from engine_client.vllm_plugin import register
-    from service.errors import DaemonUnavailableError
+    from protocol.errors import DaemonUnavailableError
 
     register()
     url = f"http://127.0.0.1:{free_port()}"

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.multiprocessing.spawn import start_processes
 
-from service.schemas.layout import CarriedKind
+from protocol.schemas.layout import CarriedKind
 from tests.conftest import FIXTURES
 from tests.daemon_process import DaemonProcess, free_port, start_daemon, wait_for
 from tests.vllm.model_state import model_state

@@ -6,7 +6,7 @@ group, so vLLM does not requantize them: its requantization calls a CUDA-only cu
 (``_C.static_scaled_fp8_quant``) that vLLM's CPU platform cannot run, and CPU torch rounds the
 dequantization scale differently from CUDA torch. Requantized layers are compared byte for byte
 with vLLM's own processing on the H200 (``tests/gpu/vllm_engine_proof.py``) and with its
-restatement on the CPU (``tests/service/processing``).
+restatement on the CPU (``tests/modelopt_fp8/processing``).
 """
 
 from __future__ import annotations

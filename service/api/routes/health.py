@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
+from protocol.schemas.health import Health, Readiness
 from service.api.routes.deps import DaemonDep
-from service.schemas.health import Health, Readiness
 
 router = APIRouter(tags=["health"])
 

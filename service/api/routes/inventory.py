@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
+from protocol.schemas.inventory import Inventory
 from service.api.problems import problem_responses
 from service.api.routes.deps import DaemonDep
-from service.schemas.inventory import Inventory
 
 router = APIRouter(prefix="/v1", tags=["inventory"], responses=problem_responses(401))
 

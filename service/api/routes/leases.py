@@ -8,9 +8,9 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Response, status
 from fastapi import Path as PathParam
 
+from protocol.schemas.leases import LeaseGrant, LeaseInfo, LeaseRequest, RenewRequest
 from service.api.problems import problem_responses
 from service.api.routes.deps import DaemonDep
-from service.schemas.leases import LeaseGrant, LeaseInfo, LeaseRequest, RenewRequest
 
 router = APIRouter(prefix="/v1/leases", tags=["leases"], responses=problem_responses(401, 422))
 LeaseId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]

@@ -9,9 +9,9 @@ from fastapi import APIRouter, Response, status
 from fastapi import Path as PathParam
 from starlette.concurrency import run_in_threadpool
 
+from protocol.schemas.models import MODEL_ID_PATTERN, LoadModelRequest, ModelInfo
 from service.api.problems import problem_responses
 from service.api.routes.deps import DaemonDep
-from service.schemas.models import MODEL_ID_PATTERN, LoadModelRequest, ModelInfo
 
 router = APIRouter(prefix="/v1/models", tags=["models"], responses=problem_responses(401, 422))
 ModelId = Annotated[str, PathParam(pattern=MODEL_ID_PATTERN)]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from service.cli import cli
 from tests.service.api.conftest import Served
+from weight_cache_cli import cli
 
 ROOT = Path(__file__).resolve().parents[3]
 

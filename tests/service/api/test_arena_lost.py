@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from service.checkpoint import Checkpoint
-from service.memory.shm import map_read_only
-from service.schemas.leases import LeaseGrant
-from service.schemas.manifest import ShmHandle
+from modelopt_fp8.checkpoint import Checkpoint
+from protocol.schemas.leases import LeaseGrant
+from protocol.schemas.manifest import ShmHandle
+from protocol.shm import map_read_only
 from tests.service.api.conftest import Served
 
 

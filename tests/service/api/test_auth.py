@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from service.cli import cli
+from weight_cache_cli import cli
 
 TOKEN = "s3cret-Token"
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.checkpoint import Checkpoint
-from service.memory.shm import map_read_only
-from service.processing import load_processed, plan_model
-from service.schemas.leases import LeaseGrant
-from service.schemas.manifest import ShmHandle
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.processing import load_processed, plan_model
+from protocol.schemas.leases import LeaseGrant
+from protocol.schemas.manifest import ShmHandle
+from protocol.shm import map_read_only
 from tests.daemon_process import wait_for
 from tests.service.api.conftest import Served
 
@@ -51,11 +51,8 @@ def test_leased_bytes_equal_an_ordinary_load(served: Served, tiny_fp8: Path) -> 
     base = map_read_only(Path(handle.path), handle.size)
     with Checkpoint.open(tiny_fp8) as ckpt:
         expected = load_processed(ckpt, plan_model(ckpt))
-    from service.dtypes import to_torch
-
     for entry in grant.full_manifest().tensors:
-        raw = base[entry.offset : entry.offset + entry.nbytes].view(to_torch(entry.dtype))
-        got = raw.as_strided(entry.shape, entry.stride)
+        got = entry.view(base)
         want = expected[entry.name]
         assert got.shape == want.shape and got.stride() == want.stride(), entry.name
         assert got.dtype == want.dtype
@@ -192,7 +189,7 @@ def test_lease_on_a_failed_model(serve, tiny_fp8: Path, copy_of) -> None:
 def test_rendered_grant_is_exactly_the_schemas_json(served: Served) -> None:
     """The grant is spliced from JSON rendered at load time; it must be byte for byte what
     serialising the LeaseGrant model gives."""
-    from service.schemas.leases import LeaseRequest
+    from protocol.schemas.leases import LeaseRequest
 
     granted = served.daemon.grant(LeaseRequest.model_validate(served.lease_body()))
     assert granted.render() == granted.model().model_dump_json().encode()

@@ -7,9 +7,9 @@ import itertools
 import pytest
 import torch
 
-from service.memory.checksum import storage_checksum
+from modelopt_fp8.processing.plan import TensorSpec
+from protocol.checksum import storage_checksum
 from service.memory.layout import ALIGNMENT, pack
-from service.processing.plan import TensorSpec
 
 
 def test_pack_aligns_and_never_overlaps() -> None:

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.errors import InsufficientMemoryError, ShmDirError
+from protocol.errors import InsufficientMemoryError, ShmDirError
+from protocol.shm import map_read_only
 from service.memory.shm import (
     FILE_PREFIX,
     ArenaDir,
     ShmFile,
     arena_dir_path,
-    map_read_only,
     remove_stale_files,
 )
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from service.errors import DaemonRestartedError, LeaseExpiredError, LeaseNotFoundError
+from protocol.errors import DaemonRestartedError, LeaseExpiredError, LeaseNotFoundError
 from service.registry.leases import LeaseEnd, LeaseTable
 
 

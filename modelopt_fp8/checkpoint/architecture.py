@@ -1,0 +1,284 @@
+"""Model architectures weight-cache understands, and the linear layers vLLM builds for them.
+
+Llama, Mistral, Qwen2 and Qwen3 share vLLM's layout: ``q/k/v_proj`` fuse into
+``self_attn.qkv_proj`` (a ``QKVParallelLinear``), ``gate/up_proj`` into ``mlp.gate_up_proj`` (a
+``MergedColumnParallelLinear``), ``o_proj`` and ``down_proj`` are ``RowParallelLinear``. They
+differ in biases (Qwen2 has q/k/v biases) and in extra unquantized tensors (Qwen3's q/k norms),
+which are carried as they are.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from protocol.errors import InvalidConfigError, UnsupportedArchitectureError
+
+# vLLM's ``packed_modules_mapping`` for these models.
+PACKED_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+class Parallelism(str, enum.Enum):
+    """How vLLM splits a linear layer across tensor-parallel ranks."""
+
+    QKV = "qkv"  # QKVParallelLinear: heads split, kv heads replicated past their count
+    MERGED_COLUMN = "merged_column"  # each shard's output rows split evenly
+    ROW = "row"  # input columns split evenly
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    name: str
+    qkv_bias_default: bool  # whether q/k/v carry biases when config.json does not say
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "LlamaForCausalLM": ArchSpec("LlamaForCausalLM", qkv_bias_default=False),
+    "MistralForCausalLM": ArchSpec("MistralForCausalLM", qkv_bias_default=False),
+    "Qwen2ForCausalLM": ArchSpec("Qwen2ForCausalLM", qkv_bias_default=True),
+    "Qwen3ForCausalLM": ArchSpec("Qwen3ForCausalLM", qkv_bias_default=False),
+}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes config.json promises; every tensor is checked against them."""
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_hidden_layers: int
+    vocab_size: int
+    qkv_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One checkpoint projection that feeds a (possibly fused) vLLM layer."""
+
+    checkpoint_prefix: str  # e.g. model.layers.0.self_attn.k_proj
+    shard_id: str  # "q"/"k"/"v" or "0"/"1" as vLLM's weight loaders name them
+    rows: int  # output width in the whole (unsharded) model
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """A linear layer as vLLM builds it, with the checkpoint shards it is made of."""
+
+    prefix: str  # vLLM module name, e.g. model.layers.0.self_attn.qkv_proj
+    parallelism: Parallelism
+    shards: tuple[ShardSpec, ...]
+    input_size: int  # K of the whole model
+    has_bias: bool
+
+    @property
+    def output_size(self) -> int:
+        return sum(s.rows for s in self.shards)
+
+
+def _int(config: dict[str, Any], key: str, source: str, default: int | None = None) -> int:
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidConfigError(
+            f"config.json field {key!r} must be a positive integer, got {value!r}", file=source
+        )
+    return value
+
+
+def read_dims(config: dict[str, Any], source: str) -> ModelDims:
+    """Model sizes from config.json, for one of the supported architectures."""
+    archs = config.get("architectures")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise InvalidConfigError("config.json has no 'architectures' list", file=source)
+    spec = ARCHITECTURES.get(archs[0])
+    if spec is None:
+        raise UnsupportedArchitectureError(
+            f"architecture {archs[0]!r} is not supported; supported: {', '.join(ARCHITECTURES)}",
+            file=source,
+            architecture=archs[0],
+        )
+    hidden = _int(config, "hidden_size", source)
+    heads = _int(config, "num_attention_heads", source)
+    kv_heads = _int(config, "num_key_value_heads", source, default=heads)
+    head_dim_raw = config.get("head_dim")
+    head_dim = _int(config, "head_dim", source) if head_dim_raw is not None else hidden // heads
+    if head_dim_raw is None and hidden % heads:
+        raise InvalidConfigError(
+            "hidden_size is not a multiple of num_attention_heads and head_dim is unset",
+            file=source,
+        )
+    if heads % kv_heads:
+        raise InvalidConfigError(
+            "num_attention_heads must be a multiple of num_key_value_heads", file=source
+        )
+    bias = config.get("attention_bias", spec.qkv_bias_default)
+    return ModelDims(
+        architecture=spec.name,
+        hidden_size=hidden,
+        intermediate_size=_int(config, "intermediate_size", source),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        num_hidden_layers=_int(config, "num_hidden_layers", source),
+        vocab_size=_int(config, "vocab_size", source),
+        qkv_bias=bool(bias),
+        mlp_bias=bool(config.get("mlp_bias", False)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+
+
+def linear_specs(dims: ModelDims) -> list[LinearSpec]:
+    """Every linear layer of the decoder stack, in the order vLLM creates them."""
+    specs: list[LinearSpec] = []
+    h, inter = dims.hidden_size, dims.intermediate_size
+    for i in range(dims.num_hidden_layers):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        specs.append(
+            LinearSpec(
+                prefix=f"{attn}.qkv_proj",
+                parallelism=Parallelism.QKV,
+                shards=(
+                    ShardSpec(f"{attn}.q_proj", "q", dims.q_size),
+                    ShardSpec(f"{attn}.k_proj", "k", dims.kv_size),
+                    ShardSpec(f"{attn}.v_proj", "v", dims.kv_size),
+                ),
+                input_size=h,
+                has_bias=dims.qkv_bias,
+            )
+        )
+        specs.append(
+            LinearSpec(
+                prefix=f"{attn}.o_proj",
+                parallelism=Parallelism.ROW,
+                shards=(ShardSpec(f"{attn}.o_proj", "0", h),),
+                input_size=dims.q_size,
+                has_bias=False,
+            )
+        )
+        specs.append(
+            LinearSpec(
+                prefix=f"{mlp}.gate_up_proj",
+                parallelism=Parallelism.MERGED_COLUMN,
+                shards=(
+                    ShardSpec(f"{mlp}.gate_proj", "0", inter),
+                    ShardSpec(f"{mlp}.up_proj", "1", inter),
+                ),
+                input_size=h,
+                has_bias=dims.mlp_bias,
+            )
+        )
+        specs.append(
+            LinearSpec(
+                prefix=f"{mlp}.down_proj",
+                parallelism=Parallelism.ROW,
+                shards=(ShardSpec(f"{mlp}.down_proj", "0", h),),
+                input_size=inter,
+                has_bias=dims.mlp_bias,
+            )
+        )
+    return specs
+
+
+def kv_scale_names(dims: ModelDims) -> dict[str, tuple[str, ...]]:
+    """vLLM parameter name of each KV-cache scale -> checkpoint names it may be stored under
+    (as vLLM's ``maybe_remap_kv_scale_name`` accepts them)."""
+    names: dict[str, tuple[str, ...]] = {}
+    for i in range(dims.num_hidden_layers):
+        attn = f"model.layers.{i}.self_attn"
+        for kind in ("k", "v"):
+            names[f"{attn}.attn.{kind}_scale"] = (
+                f"{attn}.{kind}_proj.{kind}_scale",
+                f"{attn}.{kind}_scale",
+            )
+    return names
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d{1,9})\.")
+
+
+def check_dims(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
+    """Refuse a config whose sizes no tensor in the headers has, before anything is planned.
+
+    A config drives how much is planned (``num_hidden_layers`` layers of specs): a lying one
+    must cost milliseconds, not a plan per promised layer. Each size must show in at least one
+    tensor that defines it; a single tensor of the wrong shape is left for the planner to name.
+    """
+    layers = {int(m.group(1)) for name in shapes if (m := _LAYER.match(name))}
+    found = max(layers) + 1 if layers else 0
+    if dims.num_hidden_layers != found:
+        raise InvalidConfigError(
+            f"config.json says num_hidden_layers is {dims.num_hidden_layers}, the safetensors "
+            f"headers hold {found} layers",
+            file=source,
+            field="num_hidden_layers",
+        )
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+
+    def dims_of(*names_axes: tuple[str, int]) -> set[int]:
+        out = set()
+        for name, axis in names_axes:
+            shape = shapes.get(name)
+            if shape is not None and len(shape) == 2:
+                out.add(shape[axis])
+        return out
+
+    evidence = {
+        "hidden_size": (
+            dims.hidden_size,
+            dims_of(
+                ("model.embed_tokens.weight", 1),
+                ("lm_head.weight", 1),
+                (f"{attn}.q_proj.weight", 1),
+                (f"{attn}.o_proj.weight", 0),
+                (f"{mlp}.gate_proj.weight", 1),
+                (f"{mlp}.down_proj.weight", 0),
+            ),
+        ),
+        "vocab_size": (
+            dims.vocab_size,
+            dims_of(("model.embed_tokens.weight", 0), ("lm_head.weight", 0)),
+        ),
+        "intermediate_size": (
+            dims.intermediate_size,
+            dims_of(
+                (f"{mlp}.gate_proj.weight", 0),
+                (f"{mlp}.up_proj.weight", 0),
+                (f"{mlp}.down_proj.weight", 1),
+            ),
+        ),
+        "num_attention_heads": (
+            dims.q_size,
+            dims_of((f"{attn}.q_proj.weight", 0), (f"{attn}.o_proj.weight", 1)),
+        ),
+        "num_key_value_heads": (
+            dims.kv_size,
+            dims_of((f"{attn}.k_proj.weight", 0), (f"{attn}.v_proj.weight", 0)),
+        ),
+    }
+    for field_name, (promised, seen) in evidence.items():
+        if seen and promised not in seen:
+            raise InvalidConfigError(
+                f"config.json's {field_name} gives {promised}, but the tensors that carry it "
+                f"have {sorted(seen)}",
+                file=source,
+                field=field_name,
+            )

@@ -1,0 +1,144 @@
+"""A ModelOpt FP8 checkpoint on disk: configs, tensor index, fingerprint and reads.
+
+Opening validates everything that can be validated without reading weight data: the configs,
+the architecture, every safetensors header, and that the config's sizes agree with the tensors
+the headers list. Weight shapes, dtypes and scale values are checked by the processing plan
+(``modelopt_fp8.processing.plan``) before any memory is allocated.
+
+Every file is opened once, by descriptor (see :mod:`modelopt_fp8.checkpoint.opened`), under a
+:class:`PathPolicy`; all reads go through those descriptors, so what was checked is what is read.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from modelopt_fp8.checkpoint.architecture import ModelDims, check_dims, read_dims
+from modelopt_fp8.checkpoint.fingerprint import checkpoint_digests, full_digest, identity_files
+from modelopt_fp8.checkpoint.opened import CheckpointDir, OpenedFile, PathPolicy, parse_json_object
+from modelopt_fp8.checkpoint.quant_config import (
+    HF_QUANT_CONFIG,
+    MODEL_CONFIG,
+    QuantConfig,
+    quant_config_from,
+)
+from modelopt_fp8.checkpoint.safetensors_files import (
+    TensorInfo,
+    TensorReader,
+    index_tensors,
+    weight_files,
+)
+from protocol.errors import CheckpointNotFoundError
+from protocol.schemas.manifest import CheckpointDigests
+
+
+def _read_json(file: OpenedFile) -> tuple[bytes, dict[str, Any]]:
+    try:
+        data = file.read_all()
+    finally:
+        file.close()
+    return data, parse_json_object(data, file)
+
+
+@dataclass
+class Checkpoint:
+    """An opened checkpoint; use as a context manager or call :meth:`close`.
+
+    Reads: :meth:`read` (a fresh tensor, optionally rows/columns of it) and :meth:`read_into`
+    (straight into caller-owned contiguous memory). Both are ``os.pread`` calls on descriptors
+    opened once: they release the GIL and may run from several threads at once.
+    """
+
+    path: Path
+    config: dict[str, Any]
+    dims: ModelDims
+    quant: QuantConfig
+    tensors: dict[str, TensorInfo]
+    files: list[Path]
+    _reader: TensorReader = field(repr=False)
+    _headers: dict[str, bytes] = field(repr=False)
+
+    @classmethod
+    def open(cls, path: str | Path, policy: PathPolicy | None = None) -> Checkpoint:
+        """Open and validate; ``policy`` limits where files may be read from (default: any)."""
+        directory = CheckpointDir.open(path, policy)
+        files: list[OpenedFile] = []
+        try:
+            config_file = directory.require_file(
+                MODEL_CONFIG, CheckpointNotFoundError, "no config.json in the directory"
+            )
+            config_bytes, config = _read_json(config_file)
+            configs = {MODEL_CONFIG: config_bytes}
+            hf_data = None
+            hf_file = directory.open_file(HF_QUANT_CONFIG)
+            if hf_file is not None:
+                configs[HF_QUANT_CONFIG], hf_data = _read_json(hf_file)
+            source = str(directory.path / MODEL_CONFIG)
+            quant = quant_config_from(directory.path, config, hf_data)
+            dims = read_dims(config, source)
+            files, weight_map = weight_files(directory)
+            tensors, headers = index_tensors(files, weight_map)
+            check_dims(dims, {name: info.shape for name, info in tensors.items()}, source)
+        except BaseException:
+            for f in files:
+                f.close()
+            raise
+        finally:
+            directory.close()
+        return cls(
+            path=directory.path,
+            config=config,
+            dims=dims,
+            quant=quant,
+            tensors=tensors,
+            files=[f.path for f in files],
+            _reader=TensorReader(tensors, files),
+            _headers=headers,
+        )
+
+    @functools.cached_property
+    def digests(self) -> CheckpointDigests:
+        """Every identity tier but ``full`` (see :meth:`full_digest`), computed on first use."""
+        return checkpoint_digests(self.path, self.files, self._headers, self.descriptors())
+
+    def descriptors(self) -> dict[str, int]:
+        """Weight file name -> the descriptor it was opened and checked through (valid until
+        :meth:`close`): readers use these, never the names again."""
+        return self._reader.descriptors()
+
+    @property
+    def fingerprint(self) -> str:
+        """The default (sampled) identity tier's digest."""
+        return self.digests.sampled
+
+    def full_digest(self, between: Callable[[], None] | None = None) -> str:
+        """The ``full`` identity tier: a hash of every byte the checkpoint is read from."""
+        return full_digest(identity_files(self.path, self.files), between)
+
+    def read(
+        self,
+        name: str,
+        rows: tuple[int, int] | None = None,
+        cols: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        return self._reader.read(name, rows=rows, cols=cols)
+
+    def read_into(
+        self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        return self._reader.read_into(name, out, rows=rows)
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,57 @@
+"""Where a ``--model`` lives: a checkpoint directory, or a Hugging Face repo id found in the
+local Hugging Face cache (offline: the daemon never downloads), as vLLM accepts either."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from protocol.errors import CheckpointNotFoundError
+
+# org/name as the Hub spells repo ids; a path that exists is always taken as a path.
+REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+$")
+
+
+def hub_cache(environ: Mapping[str, str] | None = None) -> Path:
+    """The cache huggingface_hub writes to, chosen by the same variables."""
+    env = os.environ if environ is None else environ
+    if env.get("HF_HUB_CACHE"):
+        return Path(env["HF_HUB_CACHE"]).expanduser()
+    if env.get("HF_HOME"):
+        return Path(env["HF_HOME"]).expanduser() / "hub"
+    base = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+    return base / "huggingface" / "hub"
+
+
+def cached_snapshot(repo_id: str, environ: Mapping[str, str] | None = None) -> Path | None:
+    """The snapshot ``refs/main`` names in the local cache, if it was downloaded."""
+    repo = hub_cache(environ) / f"models--{repo_id.replace('/', '--')}"
+    try:
+        revision = (repo / "refs" / "main").read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    snapshot = repo / "snapshots" / revision
+    return snapshot if revision and (snapshot / "config.json").is_file() else None
+
+
+def locate_checkpoint(spec: str | Path, environ: Mapping[str, str] | None = None) -> Path:
+    """The absolute checkpoint directory ``spec`` names (a directory, or a cached repo id)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    text = str(spec)
+    if REPO_ID.match(text) and not path.exists():
+        snapshot = cached_snapshot(text, environ)
+        if snapshot is not None:
+            return snapshot.resolve()
+        raise CheckpointNotFoundError(
+            f"{text} is neither a directory nor a Hugging Face repo in the local cache "
+            f"{hub_cache(environ)}: download it first (`huggingface-cli download {text}`; "
+            "HF_HOME or HF_HUB_CACHE choose the cache), or pass the checkpoint directory",
+            file=text,
+        )
+    raise CheckpointNotFoundError(
+        f"checkpoint directory {path.absolute()} does not exist", file=str(path.absolute())
+    )

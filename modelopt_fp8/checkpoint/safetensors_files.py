@@ -1,0 +1,305 @@
+"""Safetensors files of a checkpoint: which files, which tensors, their raw headers, and reads.
+
+Every file is opened once (:mod:`modelopt_fp8.checkpoint.opened`) and read through its descriptor.
+Headers are validated here with the ``safetensors`` format's own rules (bounded header length,
+a JSON object of ``dtype``/``shape``/``data_offsets`` entries plus an optional string-to-string
+``__metadata__``, offsets that tile the data exactly with every tensor's size matching its shape),
+so a hostile file is refused before anything trusts it; errors are
+:class:`~protocol.errors.CorruptFileError` naming the file. The raw header bytes are kept for the
+checkpoint fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from modelopt_fp8.checkpoint.opened import CheckpointDir, OpenedFile, parse_json_object
+from protocol.errors import CorruptFileError, InvalidConfigError, MissingTensorError
+
+INDEX_FILE = "model.safetensors.index.json"
+# Larger than any real header (a 70B model's is ~100 KB); bounds what a lying length can cost.
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor lives and what its header says."""
+
+    name: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int = 0  # of its first byte in the file
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def read_header(file: OpenedFile) -> bytes:
+    """The JSON header bytes exactly as stored (for fingerprints), bounded in size."""
+    if file.size < 8:
+        raise CorruptFileError("file shorter than the 8-byte header length", file=str(file.path))
+    (length,) = struct.unpack("<Q", file.pread(0, 8))
+    if length > MAX_HEADER_BYTES or length > file.size - 8:
+        raise CorruptFileError(
+            f"header length {length} exceeds the file ({file.size} bytes) or the "
+            f"{MAX_HEADER_BYTES}-byte limit",
+            file=str(file.path),
+        )
+    return file.pread(8, length)
+
+
+def _shape(raw: Any) -> tuple[int, ...] | None:
+    if not isinstance(raw, list):
+        return None
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw):
+        return None
+    return tuple(raw)
+
+
+def parse_header(file: OpenedFile, raw: bytes) -> dict[str, TensorInfo]:
+    """Every tensor the header describes, validated against the file's size."""
+    where = str(file.path)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CorruptFileError(
+            f"header is not valid JSON: {type(exc).__name__}", file=where
+        ) from exc
+    if not isinstance(header, dict):
+        raise CorruptFileError("header is not a JSON object", file=where)
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (
+        isinstance(metadata, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        raise CorruptFileError("__metadata__ must map strings to strings", file=where)
+    data_start = 8 + len(raw)
+    spans: list[tuple[int, int, str]] = []
+    infos: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if not isinstance(entry, dict):
+            raise CorruptFileError("header entry is not an object", file=where, tensor=name)
+        dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
+        if dtype is None:
+            raise CorruptFileError(
+                f"unsupported safetensors dtype {str(entry.get('dtype'))[:32]!r}",
+                file=where,
+                tensor=name,
+            )
+        shape = _shape(entry.get("shape"))
+        offsets = _shape(entry.get("data_offsets"))
+        if shape is None or offsets is None or len(offsets) != 2 or offsets[0] > offsets[1]:
+            raise CorruptFileError(
+                "shape or data_offsets are not lists of non-negative integers (data offsets "
+                "must be [start, end])",
+                file=where,
+                tensor=name,
+            )
+        info = TensorInfo(name, file.path, dtype, shape, data_start + offsets[0])
+        if info.nbytes != offsets[1] - offsets[0]:
+            raise CorruptFileError(
+                f"shape {list(shape)} of {dtype} needs {info.nbytes} bytes but its data "
+                f"offsets span {offsets[1] - offsets[0]}",
+                file=where,
+                tensor=name,
+            )
+        spans.append((offsets[0], offsets[1], name))
+        infos[name] = info
+    end = 0
+    for start, stop, name in sorted(spans):
+        if start != end:
+            raise CorruptFileError(
+                f"data offsets do not tile the data: {name} starts at {start}, expected {end}",
+                file=where,
+                tensor=name,
+            )
+        end = stop
+    if data_start + end != file.size:
+        raise CorruptFileError(
+            f"data offsets cover {end} bytes but the file holds {file.size - data_start} "
+            "after the header (truncated or padded)",
+            file=where,
+        )
+    return infos
+
+
+def weight_files(directory: CheckpointDir) -> tuple[list[OpenedFile], dict[str, str] | None]:
+    """The checkpoint's safetensors files, opened, and, when sharded, the index's weight map."""
+    index_file = directory.open_file(INDEX_FILE)
+    names: list[str]
+    weight_map: dict[str, str] | None = None
+    if index_file is not None:
+        try:
+            index = parse_json_object(index_file.read_all(), index_file)
+        finally:
+            index_file.close()
+        raw_map = index.get("weight_map")
+        if not isinstance(raw_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in raw_map.items()
+        ):
+            raise InvalidConfigError(
+                f"bad {INDEX_FILE}: weight_map must map tensor names to file names",
+                file=str(index_file.path),
+            )
+        weight_map = raw_map
+        names = sorted(set(weight_map.values()))
+        for name in names:
+            if not name or "/" in name or "\0" in name or name in (".", ".."):
+                raise InvalidConfigError(
+                    f"{INDEX_FILE} names a file outside the checkpoint: {name[:256]!r}",
+                    file=str(index_file.path),
+                )
+    else:
+        names = directory.names(".safetensors")
+        if not names:
+            raise MissingTensorError(
+                "no .safetensors files in the checkpoint", file=str(directory.path)
+            )
+    files: list[OpenedFile] = []
+    try:
+        for name in names:
+            opened = directory.open_file(name)
+            if opened is None:
+                raise MissingTensorError(
+                    f"shard {name} listed in {INDEX_FILE} does not exist",
+                    file=str(directory.path / name),
+                )
+            files.append(opened)
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
+    return files, weight_map
+
+
+def index_tensors(
+    files: list[OpenedFile], weight_map: dict[str, str] | None
+) -> tuple[dict[str, TensorInfo], dict[str, bytes]]:
+    """Every tensor across the files (validated), and each file's raw header."""
+    tensors: dict[str, TensorInfo] = {}
+    headers: dict[str, bytes] = {}
+    for file in files:
+        raw = read_header(file)
+        infos = parse_header(file, raw)
+        headers[file.name] = raw
+        for name, info in infos.items():
+            if name in tensors:
+                raise CorruptFileError(
+                    f"tensor stored twice (also in {tensors[name].file.name})",
+                    file=str(file.path),
+                    tensor=name,
+                )
+            tensors[name] = info
+    if weight_map is not None:
+        for name, file_name in weight_map.items():
+            placed = tensors.get(name)
+            if placed is None or placed.file.name != file_name:
+                raise MissingTensorError(
+                    f"the index places this tensor in {file_name} but that file does not hold it",
+                    file=file_name,
+                    tensor=name,
+                )
+    return tensors, headers
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+class TensorReader:
+    """Reads tensors (or row ranges of them) with ``os.pread`` on the opened files: one copy,
+    from the page cache into the destination, with the GIL released (threads may read in
+    parallel). A file truncated while open gives :class:`CorruptFileError`, never a SIGBUS."""
+
+    def __init__(self, tensors: dict[str, TensorInfo], files: list[OpenedFile]) -> None:
+        self._tensors = tensors
+        self._files = {f.path: f for f in files}
+
+    def descriptors(self) -> dict[str, int]:
+        """File name -> the descriptor it is read through (valid until :meth:`close`)."""
+        return {f.name: f.fd for f in self._files.values()}
+
+    def _locate(
+        self, name: str, rows: tuple[int, int] | None
+    ) -> tuple[TensorInfo, OpenedFile, int, tuple[int, ...]]:
+        """The tensor's file, the offset of ``rows`` and the shape read."""
+        info = self._tensors.get(name)
+        if info is None:
+            raise MissingTensorError("tensor not in the checkpoint", tensor=name)
+        file = self._files.get(info.file)
+        if file is None or file.fd < 0:
+            raise CorruptFileError("checkpoint file is closed", file=str(info.file), tensor=name)
+        if rows is None or not info.shape:
+            return info, file, info.offset, info.shape
+        n = info.shape[0]
+        start, stop = max(0, min(rows[0], n)), max(0, min(rows[1], n))
+        stop = max(start, stop)
+        row_bytes = info.nbytes // n if n else 0
+        return info, file, info.offset + start * row_bytes, (stop - start, *info.shape[1:])
+
+    def read(
+        self,
+        name: str,
+        rows: tuple[int, int] | None = None,
+        cols: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """The tensor, optionally narrowed to ``rows``/``cols`` (half-open ranges). Rows are
+        read alone (they are contiguous); columns are a view of the rows read."""
+        info, file, offset, shape = self._locate(name, rows)
+        tensor = torch.empty(shape, dtype=info.dtype)
+        if tensor.numel():
+            file.readinto(offset, _byte_view(tensor))
+        if cols is not None:
+            tensor = tensor[:, cols[0] : cols[1]]
+        return tensor
+
+    def read_into(
+        self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """Read the tensor (or ``rows`` of it) straight into ``out``, a contiguous CPU tensor
+        of the same number of bytes (no intermediate buffer)."""
+        info, file, offset, shape = self._locate(name, rows)
+        nbytes = info.dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        if not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError("read_into needs a contiguous CPU tensor")
+        if out.numel() * out.element_size() != nbytes:
+            raise ValueError(f"{name}: destination holds {out.nbytes} bytes, source {nbytes}")
+        if nbytes:
+            file.readinto(offset, _byte_view(out))
+        return out
+
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()

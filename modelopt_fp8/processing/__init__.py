@@ -1,0 +1,22 @@
+"""Processing checkpoints for vLLM's CUTLASS FP8 kernel, byte-identical to vLLM 0.33."""
+
+from modelopt_fp8.processing.execute import execute_plan, load_processed
+from modelopt_fp8.processing.plan import (
+    CarriedPlan,
+    LinearPlan,
+    ModelPlan,
+    ShardSource,
+    TensorSpec,
+    plan_model,
+)
+
+__all__ = [
+    "CarriedPlan",
+    "LinearPlan",
+    "ModelPlan",
+    "ShardSource",
+    "TensorSpec",
+    "execute_plan",
+    "load_processed",
+    "plan_model",
+]

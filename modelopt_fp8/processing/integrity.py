@@ -1,0 +1,62 @@
+"""Refusing corrupt tensor data: a NaN or infinite weight is never valid in a checkpoint.
+
+ModelOpt never writes an e4m3 NaN code (0x7f, 0xff: its quantizer clamps to +-448), and
+embeddings, norms and biases are finite, so such values mean bit rot or a damaged download.
+Headers and scales are checked before anything is allocated; this catches what only reading the
+data can, while a load is under way, and the load then fails as a whole.
+
+The test works on the bits, with two integer maxima and no temporary: a float is NaN or infinite
+when its bits without the sign are at least the all-ones exponent ``E`` (for e4m3, whose only
+non-finite codes are the NaNs, ``E = 0x7f``). Read as signed integers the positive values keep
+their order, so ``max >= E`` finds the positive ones; read as unsigned the negative ones sit above
+``sign | E``. Both maxima are vectorized NumPy reductions that release the GIL, so the check runs
+in the loading threads on data they have just read, while it is still in cache.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from modelopt_fp8.processing.fp8 import FP8_DTYPE
+from protocol.errors import CorruptFileError
+
+# dtype -> (signed view, unsigned view, all-ones exponent bits without the sign)
+_NON_FINITE_FROM: dict[
+    torch.dtype, tuple[type[np.signedinteger], type[np.unsignedinteger], int]
+] = {
+    FP8_DTYPE: (np.int8, np.uint8, 0x7F),
+    torch.float8_e5m2: (np.int8, np.uint8, 0x7C),
+    torch.float16: (np.int16, np.uint16, 0x7C00),
+    torch.bfloat16: (np.int16, np.uint16, 0x7F80),
+    torch.float32: (np.int32, np.uint32, 0x7F800000),
+    torch.float64: (np.int64, np.uint64, 0x7FF0000000000000),
+}
+
+
+def checks_finite(dtype: torch.dtype) -> bool:
+    """Whether data of ``dtype`` is checked at all (integers are not)."""
+    return dtype in _NON_FINITE_FROM
+
+
+def has_non_finite(data: npt.NDArray[np.uint8], dtype: torch.dtype) -> bool:
+    """Whether the contiguous bytes ``data``, read as ``dtype``, hold a NaN or an infinity."""
+    found = _NON_FINITE_FROM.get(dtype)
+    if found is None or data.size == 0:
+        return False
+    signed, unsigned, exponent = found
+    flat = data.reshape(-1)
+    if int(flat.view(signed).max()) >= exponent:
+        return True
+    sign = 1 << (8 * np.dtype(unsigned).itemsize - 1)
+    return int(flat.view(unsigned).max()) >= sign | exponent
+
+
+def require_finite(tensor: torch.Tensor, name: str, file: str) -> None:
+    """Refuse a CPU tensor holding a NaN or an infinity (an e4m3 NaN code for fp8)."""
+    if not checks_finite(tensor.dtype) or tensor.numel() == 0:
+        return
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    if has_non_finite(data, tensor.dtype):
+        raise CorruptFileError("tensor data holds NaN or infinite values", file=file, tensor=name)

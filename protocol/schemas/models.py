@@ -1,0 +1,73 @@
+"""Models the daemon holds: load requests, states and progress."""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from protocol.schemas.manifest import CheckpointDigests
+
+MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+def default_model_id(path: Path) -> str:
+    """A valid model id made from a checkpoint's directory name."""
+    real = Path(os.path.realpath(path))  # never raises, even on a symlink loop
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", real.name).lstrip("._-")
+    return (name or "model")[:128]
+
+
+class ModelState(str, enum.Enum):
+    loading = "loading"
+    ready = "ready"
+    failed = "failed"
+
+
+class LoadModelRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    path: str = Field(
+        min_length=1, max_length=4096, pattern=r"^[^\x00]+$", description="checkpoint directory"
+    )
+    id: str | None = Field(default=None, pattern=MODEL_ID_PATTERN)
+    tp_size: int = Field(default=1, ge=1, le=64)
+
+
+class LoadProgress(BaseModel):
+    bytes_done: int
+    bytes_total: int
+    tensors_done: int
+    tensors_total: int
+
+
+class ModelError(BaseModel):
+    code: str
+    detail: str
+    file: str | None = None
+    tensor: str | None = None
+
+
+class ModelInfo(BaseModel):
+    id: str
+    path: str
+    state: ModelState
+    tp_size: int
+    progress: LoadProgress
+    error: ModelError | None = None
+    architecture: str | None = None
+    quant_algo: str | None = None
+    fingerprint: str | None = Field(
+        default=None, description="the checkpoint's sampled-tier digest (digests.sampled)"
+    )
+    digests: CheckpointDigests | None = Field(
+        default=None, description="the checkpoint's identity at every tier, once it opened"
+    )
+    bytes_resident: int = Field(description="arena bytes held, all ranks")
+    tensors: int = Field(description="tensors per rank")
+    layers: int = Field(description="linear layers per rank")
+    active_leases: int
+    load_seconds: float | None = None

@@ -1,0 +1,40 @@
+"""Host shared-memory arenas as an engine opens them: the CPU twin of CUDA IPC.
+
+An engine maps the daemon's arena file read-only (``PROT_READ``): a write through the mapping
+faults instead of reaching the daemon's bytes. The daemon's side (creating, locking, sweeping the
+files) is ``service.memory.shm``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+import warnings
+from pathlib import Path
+
+import torch
+
+
+def byte_tensor(buffer: mmap.mmap) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # A read-only mapping is the point; torch warns that it is not writable.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+def map_read_only(path: Path, nbytes: int) -> torch.Tensor:
+    """Map an arena file read-only in an engine, as a byte tensor. The tensor (and every view
+    of it) keeps the mapping alive; it is unmapped when the last one is gone, never under
+    them."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        if st.st_size != nbytes:
+            raise ValueError(f"{path} holds {st.st_size} bytes, the manifest says {nbytes}")
+        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return byte_tensor(mapping)

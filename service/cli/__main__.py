@@ -1,5 +1,0 @@
-"""``python -m service.cli``: the same as the ``weight-cache`` command."""
-
-from service.cli import main
-
-main()

@@ -1,0 +1,41 @@
+"""Data integrity at load: non-finite values and e4m3 NaN codes in a checkpoint are refused,
+naming the tensor, before anything is served."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.processing import load_processed, plan_model
+from protocol.errors import CorruptFileError
+from tests.checkpoint_tools import rewrite_tensors
+
+
+@pytest.mark.parametrize(
+    ("tensor", "value"),
+    [
+        ("model.embed_tokens.weight", float("nan")),
+        ("model.embed_tokens.weight", float("inf")),
+        ("model.norm.weight", float("-inf")),
+        ("model.layers.1.self_attn.q_proj.weight", 0x7F),  # an e4m3 NaN code
+        ("model.layers.0.mlp.down_proj.weight", 0xFF),
+    ],
+)
+def test_corrupt_data_is_refused_at_load(copy_of, tiny_pc: Path, tensor: str, value: float) -> None:
+    path = copy_of(tiny_pc)
+
+    def corrupt(tensors: dict[str, torch.Tensor]) -> None:
+        target = tensors[tensor].clone()
+        if target.dtype == torch.float8_e4m3fn:
+            target.view(torch.uint8).reshape(-1)[7] = int(value)
+        else:
+            target.reshape(-1)[7] = value
+        tensors[tensor] = target
+
+    rewrite_tensors(path, corrupt)
+    with Checkpoint.open(path) as ckpt, pytest.raises(CorruptFileError) as err:
+        load_processed(ckpt, plan_model(ckpt))
+    assert err.value.extra["tensor"] == tensor

@@ -1,0 +1,71 @@
+"""Token files, read one way by the daemon's settings and by every client."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import SecretStr, ValidationError
+
+from engine_client.client import ClientConfig
+from protocol.errors import UnauthorizedError
+from protocol.tokens import read_token_file
+from service.settings import DaemonSettings
+
+
+def test_token_is_stripped(tmp_path: Path) -> None:
+    (tmp_path / "t").write_text("  tok-1\n")
+    assert read_token_file(tmp_path / "t") == "tok-1"
+
+
+@pytest.mark.parametrize("content", [None, "", " \n"])
+def test_missing_or_empty_file_is_refused(tmp_path: Path, content: str | None) -> None:
+    path = tmp_path / "t"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(UnauthorizedError) as err:
+        read_token_file(path)
+    assert str(path) in err.value.detail
+
+
+def test_daemon_settings_take_the_file_over_a_value(tmp_path: Path) -> None:
+    (tmp_path / "t").write_text("from-file\n")
+    settings = DaemonSettings(token=SecretStr("value"), token_file=tmp_path / "t")
+    assert settings.token is not None and settings.token.get_secret_value() == "from-file"
+    (tmp_path / "t").write_text("\n")
+    with pytest.raises(ValidationError, match="is empty"):
+        DaemonSettings(token_file=tmp_path / "t")
+
+
+def test_client_token_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given beats the environment; within each, a file beats a value."""
+    (tmp_path / "given").write_text("given-file\n")
+    (tmp_path / "env").write_text("env-file\n")
+    monkeypatch.setenv("WEIGHT_CACHE_TOKEN", "env-value")
+    assert ClientConfig.from_env().token == "env-value"
+    monkeypatch.setenv("WEIGHT_CACHE_TOKEN_FILE", str(tmp_path / "env"))
+    assert ClientConfig.from_env().token == "env-file"
+    assert ClientConfig.from_env(token="value").token == "value"
+    assert ClientConfig.from_env(str(tmp_path / "given")).token == "given-file"
+    assert ClientConfig.from_env(str(tmp_path / "given"), token="value").token == "given-file"
+
+
+@pytest.mark.parametrize("env_value", [None, "env-value"])
+@pytest.mark.parametrize("env_file", [False, True])
+@pytest.mark.parametrize("flag_file", [False, True])
+def test_daemon_and_client_pick_the_same_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env_value, env_file, flag_file
+) -> None:
+    """A daemon and a client started with the same variables and --token-file agree."""
+    (tmp_path / "flag").write_text("flag-file\n")
+    (tmp_path / "env").write_text("env-file\n")
+    if env_value:
+        monkeypatch.setenv("WEIGHT_CACHE_TOKEN", env_value)
+    if env_file:
+        monkeypatch.setenv("WEIGHT_CACHE_TOKEN_FILE", str(tmp_path / "env"))
+    flag = tmp_path / "flag" if flag_file else None
+    given: dict[str, Any] = {"token_file": flag} if flag else {}  # as `serve` passes flags
+    daemon = DaemonSettings(**given).token
+    client = ClientConfig.from_env(str(flag) if flag else None).token
+    assert (daemon.get_secret_value() if daemon else None) == client

@@ -1,0 +1,150 @@
+"""The import rules of ARCHITECTURE.md, read from the source with ``ast``: which package may import
+which, and no import cycle between modules. Every import counts, lazy and type-only ones too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("protocol", "modelopt_fp8", "service", "engine_client", "weight_cache_cli")
+# What each package may import of the project, besides itself.
+ALLOWED: dict[str, set[str]] = {
+    "protocol": set(),
+    "modelopt_fp8": {"protocol"},
+    "service": {"protocol", "modelopt_fp8"},
+    "engine_client": {"protocol", "modelopt_fp8"},
+    "weight_cache_cli": {"protocol", "modelopt_fp8", "service", "engine_client"},
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {
+        _module_name(path): path
+        for package in PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+    }
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The project modules ``name`` imports (``from a import b`` counts ``a.b`` when that is a
+    module, else ``a``)."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")
+                anchor = anchor if is_package else anchor[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [f"{base}.{alias.name}" for alias in node.names]
+            targets = [t if t in known else base for t in targets]
+        for target in targets:
+            module = target
+            while module and module not in known:
+                module = module.rpartition(".")[0]
+            if module and module != name:
+                found.add(module)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    return {name: _imports(name, path, known) for name, path in modules.items()}
+
+
+def test_packages_import_only_what_they_may() -> None:
+    forbidden = sorted(
+        f"{module} imports {target}"
+        for module, targets in _graph().items()
+        for target in targets
+        if (top := target.split(".")[0]) != module.split(".")[0]
+        and top not in ALLOWED[module.split(".")[0]]
+    )
+    assert forbidden == []
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _without_package_inits(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """A package's ``__init__`` re-exporting its modules is not a cycle with them: drop the edges
+    from a module to the ``__init__`` of a package that contains it."""
+    return {
+        module: {t for t in targets if not module.startswith(t + ".")}
+        for module, targets in graph.items()
+    }
+
+
+def test_no_import_cycle_between_modules() -> None:
+    assert _cycles(_without_package_inits(_graph())) == []
+
+
+def test_no_import_cycle_between_packages() -> None:
+    packages: dict[str, set[str]] = {}
+    for module, targets in _graph().items():
+        top = module.split(".")[0]
+        packages.setdefault(top, set()).update(t.split(".")[0] for t in targets)
+    for top, targets in packages.items():
+        targets.discard(top)
+    assert _cycles(packages) == []
+
+
+@pytest.mark.parametrize(
+    ("graph", "expected"),
+    [
+        ({"a": {"b"}, "b": {"a"}}, [["a", "b"]]),
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
+    ],
+)
+def test_the_cycle_check_sees_a_cycle(
+    graph: dict[str, set[str]], expected: list[list[str]]
+) -> None:
+    assert _cycles(graph) == expected

@@ -1,0 +1,77 @@
+"""``weight-cache attach`` and ``weight-cache status`` against a real daemon."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.daemon_process import free_port
+
+CLI = [sys.executable, "-m", "weight_cache_cli"]
+
+
+def test_attach_check_json(daemon_process) -> None:
+    out = subprocess.run(
+        [*CLI, "attach", "--url", daemon_process.url, "--check", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    report = json.loads(out.stdout)
+    assert report["model"] == "tiny" and report["tensors"] == 35 and report["layers"] == 8
+    assert report["zero_copy"] is True and report["matches_disk_load"] is True
+    assert (
+        report["bytes"] > 0 and report["lease_ms"] > 0 and report["attach_ms"] >= report["lease_ms"]
+    )
+
+
+def test_attach_reports_a_missing_daemon() -> None:
+    out = subprocess.run(
+        [*CLI, "attach", "--url", f"http://127.0.0.1:{free_port()}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 1 and "daemon_unavailable" in out.stderr
+
+
+def test_status_table(daemon_process) -> None:
+    out = subprocess.run(
+        [*CLI, "status", "--url", daemon_process.url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "tiny" in out.stdout and "ready" in out.stdout and "FP8" in out.stdout
+
+
+def test_status_finds_the_daemon_from_its_own_variables(daemon_process) -> None:
+    """The variables that placed the daemon are enough for a client to find it."""
+    import os
+
+    port = daemon_process.url.rsplit(":", 1)[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHT_CACHE_")}
+    out = subprocess.run(
+        [*CLI, "status"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**env, "WEIGHT_CACHE_PORT": port},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "tiny" in out.stdout and "ready" in out.stdout
+    out = subprocess.run(
+        [*CLI, "status"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**env, "WEIGHT_CACHE_PORT": str(free_port())},
+    )
+    assert out.returncode == 1 and "[daemon_unavailable]" in out.stderr
+    assert "--url / --uds (or WEIGHT_CACHE_URL" in out.stderr  # the CLI's own advice
