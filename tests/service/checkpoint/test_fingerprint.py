@@ -16,7 +16,7 @@ import torch
 from service.checkpoint import Checkpoint, IdentityTier, checkpoint_fingerprint
 from service.checkpoint.fingerprint import SAMPLE_BYTES, SAMPLE_WINDOWS, sample_windows
 from service.demo import write_demo_checkpoint
-from service.errors import CorruptFileError
+from service.errors import CheckpointError
 from tests.checkpoint_tools import rewrite_tensors
 
 
@@ -172,5 +172,5 @@ def test_unreadable_files_are_a_typed_error(tiny_fp8: Path, copy_of, tier: Ident
     copy = copy_of(tiny_fp8)
     (copy / "model.safetensors").unlink()
     (copy / "model.safetensors").mkdir()  # listed, but not readable as a file
-    with pytest.raises(CorruptFileError):
+    with pytest.raises(CheckpointError):
         checkpoint_fingerprint(copy, tier)
