@@ -29,7 +29,6 @@ SETTINGS_FIELDS = (
     "memory_budget_bytes",
     "max_body_bytes",
     "load_threads",
-    "keep_going",
     "shm_group",
     "scrub_interval_s",
     "max_leases",
@@ -38,6 +37,7 @@ SETTINGS_FIELDS = (
     "max_header_bytes",
     "request_timeout_s",
     "follow_symlinks",
+    "keep_going",
 )
 
 # Fields whose variable is named after the flag rather than the field (preferred name first;

@@ -86,7 +86,10 @@ class DaemonSettings(BaseSettings):
         description="group that may map arenas (dir 0750, files 0640); default: owner only",
     )
     scrub_interval_s: float = Field(
-        default=0.0, ge=0, description="re-check resident arenas' checksums every N s (0: off)"
+        default=0.0,
+        ge=0,
+        validation_alias=_env("scrub_interval_s"),
+        description="re-check resident arenas' checksums every N s (0: off)",
     )
     max_leases: int = Field(default=4096, ge=1, description="active leases, all clients")
     max_leases_per_client: int = Field(
@@ -97,7 +100,10 @@ class DaemonSettings(BaseSettings):
         default=32 * 1024, ge=1024, description="request line and headers of one request"
     )
     request_timeout_s: float = Field(
-        default=10.0, gt=0, description="time a client has to send a whole request"
+        default=10.0,
+        gt=0,
+        validation_alias=_env("request_timeout_s"),
+        description="time a client has to send a whole request",
     )
     follow_symlinks: bool = Field(
         default=True,

@@ -319,6 +319,30 @@ def _settings_options(command: F) -> F:
             f"env: {_env('max_leases_per_client')}].",
         ),
         click.option(
+            "--max-connections",
+            type=int,
+            help=f"Most open HTTP connections [default: 256; env: {_env('max_connections')}].",
+        ),
+        click.option(
+            "--max-header-bytes",
+            type=int,
+            help="Most bytes of request line and headers [default: 32768; "
+            f"env: {_env('max_header_bytes')}].",
+        ),
+        click.option(
+            "--request-timeout",
+            "request_timeout_s",
+            type=float,
+            help="Seconds a client has to send a whole request [default: 10; "
+            f"env: {_env('request_timeout_s')}].",
+        ),
+        click.option(
+            "--follow-symlinks/--no-follow-symlinks",
+            default=None,
+            help="Whether API loads may name symlinked checkpoints or files, whose targets must "
+            f"stay below an allowed root [default: follow; env: {_env('follow_symlinks')}].",
+        ),
+        click.option(
             "--keep-going/--no-keep-going",
             default=None,
             help="Keep serving when a startup model fails to load, and report ready once every "

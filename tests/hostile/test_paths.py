@@ -51,7 +51,7 @@ def test_symlink_swap_race_never_reads_outside(hostile: Hostile, tmp_path: Path)
     refused (path_not_allowed) or holds the inside file (its fingerprint), never the outside."""
     inside = hostile.checkpoint("race")
     weights = inside / "model.safetensors"
-    expected = checkpoint_fingerprint(inside)
+    expected = checkpoint_fingerprint(inside).digest
     outside = tmp_path / "outside"
     outside.mkdir()
     target = outside / "model.safetensors"
