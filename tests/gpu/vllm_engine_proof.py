@@ -291,7 +291,7 @@ class Proof:
                     f.result()
             for combo, runs in combos.items():
                 self.compare_combo(combo, runs)
-            if ready:
+            if ready and combos and self.args.extras:
                 self.extra_runs(combos, url)
             if ready and (self.args.timing or self.args.timing_only):
                 self.timing(ckpts, url)
@@ -380,6 +380,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda:0", help="the daemon's device")
     p.add_argument("--budget-s", type=float, default=540)
     p.add_argument("--timing", action="store_true")
+    p.add_argument("--no-extras", dest="extras", action="store_false", help="skip B-mp, graphs")
     p.add_argument("--timing-only", action="store_true", help="only the quiet load figures")
     return Proof(p.parse_args()).main()
 
