@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,9 +118,14 @@ class Checkpoint:
         """The default (sampled) identity tier's digest."""
         return self.digests.sampled
 
-    def full_digest(self, between: Callable[[], None] | None = None) -> str:
-        """The ``full`` identity tier: a hash of every byte the checkpoint is read from."""
-        return full_digest(identity_files(self.path, self.files), between)
+    def full_digest(
+        self, between: Callable[[], None] | None = None, executor: Executor | None = None
+    ) -> str:
+        """The ``full`` identity tier: a hash of every byte the checkpoint is read from (its
+        weight files through the descriptors they were checked through)."""
+        return full_digest(
+            identity_files(self.path, self.files), between, self.descriptors(), executor
+        )
 
     def read(
         self,

@@ -60,3 +60,27 @@ def require_finite(tensor: torch.Tensor, name: str, file: str) -> None:
     data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
     if has_non_finite(data, tensor.dtype):
         raise CorruptFileError("tensor data holds NaN or infinite values", file=file, tensor=name)
+
+
+# dtype -> (integer view of the same width, the bits without the sign, the all-ones exponent)
+_NON_FINITE_BITS: dict[torch.dtype, tuple[torch.dtype, int, int]] = {
+    FP8_DTYPE: (torch.uint8, 0x7F, 0x7F),
+    torch.float8_e5m2: (torch.uint8, 0x7F, 0x7C),
+    torch.float16: (torch.int16, 0x7FFF, 0x7C00),
+    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
+    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
+    torch.float64: (torch.int64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000),
+}
+
+
+def any_non_finite(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """Whether the bytes ``raw`` (uint8 ``[rows, width]``, rows may be strided), read as
+    ``dtype``, hold a NaN or an infinity: a 0-dim bool tensor on ``raw``'s device, computed
+    without waiting for it (None for data that is not checked). The same bit test as
+    :func:`has_non_finite`, as device operations."""
+    found = _NON_FINITE_BITS.get(dtype)
+    if found is None or raw.numel() == 0:
+        return None
+    view, magnitude, exponent = found
+    bits = raw.view(view)
+    return (bits & magnitude).max() >= exponent

@@ -23,6 +23,7 @@ from modelopt_fp8.checkpoint.opened import PathPolicy
 from modelopt_fp8.processing import ModelPlan, execute_plan, plan_model
 from modelopt_fp8.processing.execute import StorageFor
 from modelopt_fp8.processing.fill import FileRange
+from modelopt_fp8.processing.pool import shared_pool
 from protocol.devices import Placement
 from protocol.dtypes import to_wire
 from protocol.errors import InsufficientMemoryError
@@ -214,7 +215,11 @@ def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
             processed.append((plan, arena, checksums))
         # The full identity tier, while the files are still in the page cache from processing.
         identity = identity.model_copy(
-            update={"digests": ckpt.digests.model_copy(update={"full": ckpt.full_digest(stop)})}
+            update={
+                "digests": ckpt.digests.model_copy(
+                    update={"full": ckpt.full_digest(stop, shared_pool()[0])}
+                )
+            }
         )
         req.opened(identity)
         return [

@@ -13,8 +13,7 @@ import torch
 
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.checkpoint.opened import PathPolicy
-from modelopt_fp8.processing import fill as fill_module
-from modelopt_fp8.processing import load_processed, plan_model
+from modelopt_fp8.processing import cuda_fill, load_processed, plan_model
 from protocol.checksum import storage_checksum
 from protocol.devices import Placement
 from protocol.schemas.manifest import DaemonIdentity, DeviceKind
@@ -49,11 +48,13 @@ def test_cuda_load_of_real_exports_matches_the_reference(export: Path, tp: int, 
     _assert_cuda_load_matches(export, tp, rank)
 
 
-@pytest.mark.parametrize("stage", [4096, 1 << 20])
+@pytest.mark.parametrize("stage", [64, 4096, 1 << 20])
 def test_small_staging_buffers_change_nothing(
     tiny_any: Path, monkeypatch: pytest.MonkeyPatch, stage: int
 ) -> None:
-    monkeypatch.setattr(fill_module, "STAGE_BYTES", stage)
+    """Chunks and device slices that end inside a row, a shard or a segment change nothing."""
+    monkeypatch.setattr(cuda_fill, "STAGE_BYTES", stage)
+    monkeypatch.setattr(cuda_fill, "DEVICE_SLICE_BYTES", max(64, stage // 2))
     for tp, rank in [(1, 0), (4, 2)]:
         _assert_cuda_load_matches(tiny_any, tp, rank)
 

@@ -174,3 +174,48 @@ def test_unreadable_files_are_a_typed_error(tiny_fp8: Path, copy_of, tier: Ident
     (copy / "model.safetensors").mkdir()  # listed, but not a regular file: refused on open
     with pytest.raises(NotRegularFileError):
         checkpoint_fingerprint(copy, tier)
+
+
+def test_full_tier_is_a_hash_of_block_hashes(
+    tiny_fp8: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks hashed in parallel give the digest the definition gives (every file's name and
+    size, then each block's xxh3-128 in order), also when blocks end inside tensors; a changed
+    byte in a middle block changes it."""
+    import xxhash
+
+    from modelopt_fp8.checkpoint import fingerprint
+
+    monkeypatch.setattr(fingerprint, "FULL_BLOCK", 4096)
+    files = fingerprint.identity_files(tiny_fp8, sorted(tiny_fp8.glob("*.safetensors")))
+    want = xxhash.xxh3_128(fingerprint._DOMAIN + b"full\0" + (4096).to_bytes(8, "little"))
+    for path in files:
+        data = path.read_bytes()
+        want.update(path.name.encode() + b"\0" + len(data).to_bytes(8, "little"))
+        for offset in range(0, len(data), 4096):
+            want.update(xxhash.xxh3_128_digest(data[offset : offset + 4096]))
+    assert any(p.stat().st_size > 3 * 4096 for p in files)
+    assert digest(tiny_fp8, IdentityTier.full) == "xxh3-128:" + want.hexdigest()
+    with Checkpoint.open(tiny_fp8) as ckpt:  # the daemon's way: through its descriptors
+        assert ckpt.full_digest() == "xxh3-128:" + want.hexdigest()
+
+
+def test_full_tier_stops_when_asked(tiny_fp8: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load cancelled while hashing stops at the next block, with every mapping closed."""
+    from modelopt_fp8.checkpoint import fingerprint
+
+    monkeypatch.setattr(fingerprint, "FULL_BLOCK", 4096)
+    calls = 0
+
+    class Cancelled(Exception):
+        pass
+
+    def between() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise Cancelled
+
+    with Checkpoint.open(tiny_fp8) as ckpt, pytest.raises(Cancelled):
+        ckpt.full_digest(between)
+    assert calls == 3

@@ -23,7 +23,7 @@ from modelopt_fp8.processing import load_processed, plan_model
 from modelopt_fp8.processing.execute import plan_jobs, requantize_maps
 from modelopt_fp8.processing.fill import run_jobs
 from modelopt_fp8.processing.fp8 import FP8_DTYPE, CodeMap, requantize_lut
-from modelopt_fp8.processing.integrity import has_non_finite
+from modelopt_fp8.processing.integrity import any_non_finite, has_non_finite
 from modelopt_fp8.processing.plan import ModelPlan
 from modelopt_fp8.processing.pool import shared_pool
 from modelopt_fp8.processing.source import SourceFiles, read_into
@@ -118,7 +118,6 @@ def test_chunks_smaller_than_rows_and_segments(
 ) -> None:
     """Chunks that end inside a row, inside a shard, and between shards change nothing."""
     monkeypatch.setattr(fill_module, "HOST_CHUNK_BYTES", chunk)
-    monkeypatch.setattr(fill_module._Sink, "chunk_bytes", chunk)
     monkeypatch.setattr(CodeMap, "SLICE", 7)
     assert_fast_matches_reference(tiny_any, tp, rank)
 
@@ -253,9 +252,17 @@ def test_non_finite_check_agrees_with_torch(
         tensor[where % tensor.numel()] = special  # e4m3 has no infinity: inf becomes NaN
     expected = bool((~torch.isfinite(tensor.float())).any())
     assert has_non_finite(tensor.view(torch.uint8).numpy(), dtype) == expected
+    # The GPU's form of the same test (device operations, here on the host), on a padded
+    # [rows, width] region as the GPU path checks it: the padding beside it is not looked at.
+    rows = tensor.view(torch.uint8).reshape(2, -1)
+    padded = torch.full((2, rows.shape[1] + 8), 0xFF, dtype=torch.uint8)
+    padded[:, : rows.shape[1]] = rows
+    found = any_non_finite(padded[:, : rows.shape[1]], dtype)
+    assert found is not None and bool(found) == expected
 
 
-def test_nan_in_a_requantized_shard_is_refused(tiny_fp8: Path, copy_of) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_nan_in_a_requantized_shard_is_refused(tiny_fp8: Path, copy_of, device: str) -> None:
     """The check sees the bytes before the code map (which sends NaN to 448)."""
     path = copy_of(tiny_fp8)
     name = f"{QKV}.v_proj.weight"
@@ -272,7 +279,7 @@ def test_nan_in_a_requantized_shard_is_refused(tiny_fp8: Path, copy_of) -> None:
         assert isinstance(qkv, fill_module.RowFill)
         assert qkv.segments[2].source.code_map is not None
         with pytest.raises(CorruptFileError) as err:
-            load_processed(ckpt, plan_model(ckpt))
+            load_processed(ckpt, plan_model(ckpt), device)
     assert err.value.extra["tensor"] == name
 
 

@@ -24,7 +24,11 @@ from tests.checkpoint_tools import rewrite_tensors
         ("model.layers.0.mlp.down_proj.weight", 0xFF),
     ],
 )
-def test_corrupt_data_is_refused_at_load(copy_of, tiny_pc: Path, tensor: str, value: float) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_corrupt_data_is_refused_at_load(
+    copy_of, tiny_pc: Path, tensor: str, value: float, device: str
+) -> None:
+    """On the host the loading threads check the bytes they read; on a GPU the GPU does."""
     path = copy_of(tiny_pc)
 
     def corrupt(tensors: dict[str, torch.Tensor]) -> None:
@@ -37,5 +41,5 @@ def test_corrupt_data_is_refused_at_load(copy_of, tiny_pc: Path, tensor: str, va
 
     rewrite_tensors(path, corrupt)
     with Checkpoint.open(path) as ckpt, pytest.raises(CorruptFileError) as err:
-        load_processed(ckpt, plan_model(ckpt))
+        load_processed(ckpt, plan_model(ckpt), device)
     assert err.value.extra["tensor"] == tensor
