@@ -25,6 +25,7 @@ import importlib.util
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -105,6 +106,12 @@ def release(ranks: list[ResidentRank]) -> None:
         rank.arena.release()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process, all threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -371,15 +378,25 @@ def main() -> None:
     shm = shm_scratch()
     try:
         times = []
+        cpu: list[float] = []
         for i in range(1 + args.repeats):
+            cpu_start = cpu_seconds()
             seconds, ranks = timed(lambda: daemon_load(path, device, shm, "bench"))
+            cpu.append(cpu_seconds() - cpu_start)
             times.append(seconds)
             label = "first" if i == 0 else f"again {i}"
             log(f"  daemon load ({label}): {seconds:.3f} s  {gb / seconds:.2f} GB/s")
             if i < args.repeats:
                 release(ranks)
         first, median = times[0], statistics.median(times[1:] or times)
-        result["daemon"] = {"first_s": first, "median_s": median, "all_s": times}
+        result["daemon"] = {
+            "first_s": first,
+            "median_s": median,
+            "all_s": times,
+            # CPU time (all threads) per GB: what the load costs the host's cores, which a
+            # machine shared with other work does not distort the way it distorts wall time.
+            "cpu_s_per_gb": statistics.median(cpu[1:] or cpu) / gb,
+        }
         save()
 
         if "plain" not in args.skip:
@@ -432,6 +449,11 @@ def report(result: dict[str, Any], gb: float) -> None:
 
     row("daemon load, first", first)
     row(f"daemon load, median of {len(daemon['all_s']) - 1 or 1}", median)
+    per_gb = daemon["cpu_s_per_gb"]
+    log(
+        f"  daemon load CPU time: {per_gb:.2f} core-s per GB; {result['loading_threads']} loading "
+        f"threads on free cores: at most {result['loading_threads'] / per_gb:.2f} GB/s"
+    )
     plain = result.get("plain")
     if plain:
         row("load_file + .to(device)", plain["read_s"])
