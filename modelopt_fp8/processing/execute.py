@@ -29,7 +29,11 @@ from dataclasses import dataclass
 import torch
 
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing.fill import (
+from modelopt_fp8.processing.fill import run_jobs
+from modelopt_fp8.processing.fp8 import CodeMap, requantize_map
+from modelopt_fp8.processing.integrity import require_finite
+from modelopt_fp8.processing.plan import CarriedPlan, LinearPlan, ModelPlan, TensorSpec
+from modelopt_fp8.processing.rows import (
     Destination,
     Fill,
     Job,
@@ -38,12 +42,8 @@ from modelopt_fp8.processing.fill import (
     RowSource,
     Segment,
     SmallFill,
-    run_jobs,
     storage_rows,
 )
-from modelopt_fp8.processing.fp8 import CodeMap, requantize_map
-from modelopt_fp8.processing.integrity import require_finite
-from modelopt_fp8.processing.plan import CarriedPlan, LinearPlan, ModelPlan, TensorSpec
 from modelopt_fp8.processing.source import SourceFiles
 from protocol.schemas.layout import Scheme
 

@@ -34,30 +34,12 @@ from modelopt_fp8.processing.rows import (
     Job,
     Progress,
     RowFill,
-    RowSource,
-    Segment,
-    SmallFill,
     Stopped,
     chunk_rows,
     read_rows,
-    storage_rows,
 )
 from modelopt_fp8.processing.source import SourceFiles
 from protocol.errors import CorruptFileError
-
-__all__ = [
-    "Destination",
-    "FileRange",
-    "Fill",
-    "Job",
-    "Progress",
-    "RowFill",
-    "RowSource",
-    "Segment",
-    "SmallFill",
-    "run_jobs",
-    "storage_rows",
-]
 
 HOST_CHUNK_BYTES = 1 << 20  # read, checked, requantized, hashed and written while in cache
 

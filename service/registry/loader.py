@@ -22,8 +22,8 @@ from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.checkpoint.opened import PathPolicy
 from modelopt_fp8.processing import ModelPlan, execute_plan, plan_model
 from modelopt_fp8.processing.execute import StorageFor
-from modelopt_fp8.processing.fill import FileRange
 from modelopt_fp8.processing.pool import shared_pool
+from modelopt_fp8.processing.rows import FileRange
 from protocol.devices import Placement
 from protocol.dtypes import to_wire
 from protocol.errors import InsufficientMemoryError

@@ -26,6 +26,7 @@ from modelopt_fp8.processing.fp8 import FP8_DTYPE, CodeMap, requantize_lut
 from modelopt_fp8.processing.integrity import any_non_finite, has_non_finite
 from modelopt_fp8.processing.plan import ModelPlan
 from modelopt_fp8.processing.pool import shared_pool
+from modelopt_fp8.processing.rows import RowFill
 from modelopt_fp8.processing.source import SourceFiles, read_into
 from protocol.checksum import storage_checksum
 from protocol.devices import Placement
@@ -149,7 +150,7 @@ def test_equal_shard_scales_are_copied_unchanged(tiny_fp8: Path, copy_of) -> Non
         plan = plan_model(ckpt)
         jobs = plan_jobs(ckpt, plan)
     qkv = jobs[0].fills()[0]
-    assert isinstance(qkv, fill_module.RowFill)
+    assert isinstance(qkv, RowFill)
     assert [s.source.code_map for s in qkv.segments] == [None, None, None]
     assert_fast_matches_reference(path, 1, 0)
 
@@ -171,7 +172,7 @@ def test_unequal_scales_requantize_all_but_identity_maps(tiny_fp8: Path, copy_of
     with Checkpoint.open(path) as ckpt:
         jobs = plan_jobs(ckpt, plan_model(ckpt))
     qkv = jobs[0].fills()[0]
-    assert isinstance(qkv, fill_module.RowFill)
+    assert isinstance(qkv, RowFill)
     maps = [s.source.code_map for s in qkv.segments]
     assert maps[0] is not None and maps[1] is None and maps[2] is not None
     for tp, rank in TP_RANKS:
@@ -276,7 +277,7 @@ def test_nan_in_a_requantized_shard_is_refused(tiny_fp8: Path, copy_of, device: 
     with Checkpoint.open(path) as ckpt:
         jobs = plan_jobs(ckpt, plan_model(ckpt))
         qkv = jobs[0].fills()[0]
-        assert isinstance(qkv, fill_module.RowFill)
+        assert isinstance(qkv, RowFill)
         assert qkv.segments[2].source.code_map is not None
         with pytest.raises(CorruptFileError) as err:
             load_processed(ckpt, plan_model(ckpt), device)
