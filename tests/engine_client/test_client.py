@@ -122,6 +122,36 @@ async def test_async_client(daemon_process) -> None:
             await client.lease("ghost")
 
 
+async def test_async_client_has_every_call_of_the_sync_one(daemon_process) -> None:
+    public = {n for n in dir(DaemonClient) if not n.startswith("_")} - {"close"}
+    assert public <= {n for n in dir(AsyncDaemonClient) if not n.startswith("_")}
+    async with AsyncDaemonClient(ClientConfig(url=daemon_process.url)) as client:
+        assert (await client.ready()).ready
+        assert [m.id for m in await client.models()] == ["tiny"]
+        assert (await client.model("tiny")).state.value == "ready"
+        grant = await client.lease("tiny", ttl_s=5)
+        assert [lease.id for lease in await client.leases()] == [grant.lease.id]
+        await client.release(grant.lease.id)
+        with pytest.raises(ModelNotFoundError):
+            await client.model("ghost")
+
+
+async def test_async_reads_are_retried_and_grants_are_not() -> None:
+    """The retry policy is the base's: the async client follows it as the sync one does."""
+    server = FlakyServer(drops=2)
+    server.start()
+    config = ClientConfig(url=f"http://127.0.0.1:{server.port}", retries=2, retry_backoff_s=0.01)
+    async with AsyncDaemonClient(config) as client:
+        assert (await client.health()).status == "ok"
+    assert server.connections == 3
+    server.drops = 10
+    async with AsyncDaemonClient(config) as client:
+        with pytest.raises(DaemonUnavailableError):
+            await client.lease("tiny")
+    assert server.connections == 4
+    server.sock.close()
+
+
 def test_layouts_are_fetched_once_per_process(daemon_process, monkeypatch) -> None:
     from engine_client.client import LAYOUTS
 
