@@ -192,8 +192,8 @@ def test_rendered_grant_is_exactly_the_schemas_json(served: Served) -> None:
     from protocol.schemas.leases import LeaseRequest
 
     granted = served.daemon.grant(LeaseRequest.model_validate(served.lease_body()))
-    assert granted.render() == granted.model().model_dump_json().encode()
-    assert LeaseGrant.model_validate_json(granted.render()) == granted.model()
+    assert granted.render() == granted.as_schema().model_dump_json().encode()
+    assert LeaseGrant.model_validate_json(granted.render()) == granted.as_schema()
 
 
 def test_known_layout_skips_the_manifest(served: Served) -> None:
