@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_client.client import AsyncDaemonClient, ClientConfig, DaemonClient
+from engine_client.client import AsyncDaemonClient, ClientConfig, DaemonClient, daemon_url
 from protocol.errors import (
     DaemonUnavailableError,
     LayoutMismatchError,
@@ -17,7 +17,8 @@ from protocol.errors import (
     UnauthorizedError,
     VerificationError,
 )
-from tests.daemon_process import free_port, start_daemon, wait_for
+from tests.daemon_process import free_port, start_daemon
+from tests.waiting import wait_for
 
 
 class FlakyServer(threading.Thread):
@@ -243,3 +244,19 @@ def test_ready_reports_a_failed_model_without_raising(
         pytest.raises(DaemonUnavailableError),
     ):
         client.ready()
+
+
+def test_clients_find_the_daemon_from_its_variables(monkeypatch) -> None:
+    assert daemon_url({}) == "http://127.0.0.1:8470"
+    assert daemon_url({"WEIGHT_CACHE_PORT": "9001"}) == "http://127.0.0.1:9001"
+    assert daemon_url({"WEIGHT_CACHE_HOST": "0.0.0.0", "WEIGHT_CACHE_PORT": "9"}) == (
+        "http://127.0.0.1:9"
+    )
+    assert daemon_url({"WEIGHT_CACHE_HOST": "::1"}) == "http://[::1]:8470"
+    assert daemon_url({"WEIGHT_CACHE_URL": "http://h:1", "WEIGHT_CACHE_PORT": "9"}) == "http://h:1"
+    monkeypatch.setenv("WEIGHT_CACHE_PORT", "9002")
+    monkeypatch.setenv("WEIGHT_CACHE_UDS", "/run/wc.sock")
+    config = ClientConfig.from_env()
+    assert config.url == "http://127.0.0.1:9002" and config.uds == "/run/wc.sock"
+    explicit = ClientConfig.from_env(url="http://127.0.0.1:1")
+    assert explicit.url == "http://127.0.0.1:1" and explicit.uds is None  # a flag beats the env

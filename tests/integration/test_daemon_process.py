@@ -14,7 +14,8 @@ import httpx
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.processing import load_processed, plan_model
 from protocol.checksum import storage_checksum
-from tests.daemon_process import DaemonProcess, lease_body, start_daemon, wait_for
+from tests.daemon_process import DaemonProcess, lease_body, start_daemon
+from tests.waiting import wait_for
 
 CHILD = [sys.executable, "-m", "tests.integration.engine_child"]
 

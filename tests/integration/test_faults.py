@@ -19,7 +19,8 @@ from protocol.errors import DaemonRestartedError
 from protocol.shm import map_read_only
 from service.demo import write_demo_checkpoint
 from service.memory.shm import arena_dir_path
-from tests.daemon_process import free_port, lease_body, start_daemon, wait_for
+from tests.daemon_process import free_port, lease_body, start_daemon
+from tests.waiting import wait_for
 
 CPU = torch.device("cpu")
 
