@@ -23,7 +23,7 @@ from engine_client.client import ClientConfig
 from engine_client.fallback import as_weight_cache_error, record_fallback
 from engine_client.verify import Expectations
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import load_processed, plan_model
+from modelopt_fp8.processing import plan_model, process_checkpoint
 from protocol.reasons import Reason
 from protocol.schemas.layout import LayerLayout
 
@@ -48,7 +48,7 @@ def read_checkpoint(
     """The engine's own read: read, process and place this rank, as the daemon would."""
     with Checkpoint.open(checkpoint) as ckpt:
         plan = plan_model(ckpt, tp_size, tp_rank)
-        return load_processed(ckpt, plan, device), plan.layouts
+        return process_checkpoint(ckpt, plan, device), plan.layouts
 
 
 def attach_or_read(

@@ -39,7 +39,7 @@ from modelopt_fp8.processing.source import SourceFiles
 from protocol.errors import CorruptFileError
 
 Bytes = npt.NDArray[np.uint8]
-Progress = Callable[[int, int], None]  # (bytes written, tensors written) since the last call
+OnProgress = Callable[[int, int], None]  # (bytes written, tensors written) since the last call
 
 HOST_CHUNK_BYTES = 1 << 20  # read, checked, requantized, hashed and written while in cache
 STAGE_BYTES = 4 << 20  # a pinned buffer for copies to a GPU (two per loading thread)
@@ -366,7 +366,7 @@ def run_jobs(
     src: SourceFiles,
     jobs: Sequence[Job],
     dests: dict[str, Destination],
-    progress: Progress | None = None,
+    progress: OnProgress | None = None,
 ) -> dict[str, str]:
     """Run ``jobs`` on the shared pool, largest first and at most as many at once as it has
     workers (so loads running together take turns); returns every storage's checksum. On

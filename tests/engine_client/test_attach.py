@@ -18,7 +18,7 @@ from engine_client.client import ClientConfig
 from engine_client.verify import Expectations
 from modelopt_fp8.checkpoint import Checkpoint, checkpoint_fingerprint
 from modelopt_fp8.checkpoint.quant_config import QuantConfig
-from modelopt_fp8.processing import load_processed, plan_model
+from modelopt_fp8.processing import plan_model, process_checkpoint
 from protocol.errors import LayoutMismatchError, VerificationError
 from tests.daemon_process import DaemonProcess
 from tests.waiting import wait_for
@@ -41,7 +41,7 @@ def test_attached_tensors_are_the_ordinary_load_zero_copy(daemon_process, tiny_f
         assert att.manifest.model == "tiny"
         with Checkpoint.open(tiny_fp8) as ckpt:
             plan = plan_model(ckpt)
-            expected = load_processed(ckpt, plan)
+            expected = process_checkpoint(ckpt, plan)
         assert att.layers == plan.layouts
         assert set(att.tensors) == set(expected)
         for name, want in expected.items():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import load_processed, plan_model
+from modelopt_fp8.processing import plan_model, process_checkpoint
 from protocol.schemas.leases import LeaseGrant
 from protocol.schemas.manifest import ShmHandle
 from protocol.shm import map_read_only
@@ -49,7 +49,7 @@ def test_leased_bytes_equal_an_ordinary_load(served: Served, tiny_fp8: Path) -> 
     assert isinstance(handle, ShmHandle)
     base = map_read_only(Path(handle.path), handle.size)
     with Checkpoint.open(tiny_fp8) as ckpt:
-        expected = load_processed(ckpt, plan_model(ckpt))
+        expected = process_checkpoint(ckpt, plan_model(ckpt))
     for entry in grant.full_manifest().tensors:
         got = entry.view(base)
         want = expected[entry.name]
