@@ -25,8 +25,8 @@ import torch
 
 from bench.common import CACHE, demo_checkpoint, median_seconds, percentile, warm_page_cache
 from engine_client.attach import attach
+from engine_client.checkpoint_read import read_checkpoint
 from engine_client.client import ClientConfig
-from engine_client.loading import load_from_disk
 from engine_client.verify import Expectations
 from tests.daemon_process import start_daemon
 
@@ -93,7 +93,7 @@ def bench_shape(shape: str, repeats: int, attaches: int, work: Path) -> dict[str
         expect = expectations(path)
 
         def ordinary() -> None:
-            tensors, _ = load_from_disk(path, dev)
+            tensors, _ = read_checkpoint(path, dev)
             sync()
             del tensors
 

@@ -5,8 +5,8 @@ For a demo shape (default qwen2.5-0.5b), from the page cache, all in one run:
 * ``safetensors.torch.load_file`` of every file with each tensor copied into memory the process
   owns (``load_file`` alone only maps the file; the copy is the read);
 * the reference path (``tests/reference_processing.py``: the load path before the fast one,
-  kept for comparison) through ``load_processed``'s old code;
-* ``load_processed``: read, validate, fuse, requantize, transpose, pad into fresh tensors;
+  kept for comparison) through ``process_checkpoint``'s old code;
+* ``process_checkpoint``: read, validate, fuse, requantize, transpose, pad into fresh tensors;
 * the daemon's ``load_model`` into a shared-memory arena (with checksums and manifest).
 
 Prints GB/s of checkpoint bytes and the ratio of each to ``load_file``.
@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from bench.cold_load import daemon_load, release
 from bench.common import demo_checkpoint, median_seconds, shm_scratch, warm_page_cache
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import load_processed, plan_model
+from modelopt_fp8.processing import plan_model, process_checkpoint
 from tests import reference_processing
 
 
@@ -51,11 +51,11 @@ def main() -> None:
 
     def reference() -> None:
         with Checkpoint.open(path) as ckpt:
-            reference_processing.load_processed(ckpt, plan_model(ckpt))
+            reference_processing.process_checkpoint(ckpt, plan_model(ckpt))
 
     def processed() -> None:
         with Checkpoint.open(path) as ckpt:
-            load_processed(ckpt, plan_model(ckpt))
+            process_checkpoint(ckpt, plan_model(ckpt))
 
     shm = shm_scratch()
 
@@ -66,7 +66,8 @@ def main() -> None:
         rows = [("safetensors load_file + copy", median_seconds(plain, args.repeats)[0])]
         if not args.skip_reference:
             rows.append(("reference path (before)", median_seconds(reference, args.repeats)[0]))
-        rows.append(("read + process (load_processed)", median_seconds(processed, args.repeats)[0]))
+        processed_s = median_seconds(processed, args.repeats)[0]
+        rows.append(("read + process (process_checkpoint)", processed_s))
         rows.append(("daemon load into a shm arena", median_seconds(arena, args.repeats)[0]))
     finally:
         shutil.rmtree(shm, ignore_errors=True)

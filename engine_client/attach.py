@@ -22,7 +22,7 @@ from engine_client.arenas import OpenedArena, open_arena, release_unopened
 from engine_client.client import ClientConfig, DaemonClient
 from engine_client.fallback import typed_failures
 from engine_client.verify import Expectations, verify_checksums, verify_grant
-from protocol.errors import DaemonUnavailableError, WeightCacheError
+from protocol.errors import DaemonUnavailableError, ModelLoadingError, WeightCacheError
 from protocol.reasons import Reason
 from protocol.schemas.layout import LayerLayout
 from protocol.schemas.leases import LeaseGrant
@@ -243,3 +243,20 @@ def attach(
         attachment.keeper.start()
     _OPEN.add(attachment)
     return attachment
+
+
+def attach_waiting(
+    model: str, expect: Expectations, config: ClientConfig, wait_s: float = 0.0
+) -> Attachment:
+    """``attach``, retrying while the daemon reports the model still loading (up to wait_s)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return attach(model, expect, config=config)
+        except ModelLoadingError as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            pause = min(float(exc.extra.get("retry_after_s", 1)), left, 5.0)
+            log.info("%s is still loading in the daemon; retrying in %.1f s", model, pause)
+            time.sleep(pause)

@@ -1,4 +1,5 @@
-"""HTTP clients for the daemon's API, sync and async, over TCP or a Unix socket.
+"""HTTP clients for the daemon's API, sync and async, over TCP or a Unix socket: one base
+builds every call and holds the retry policy and error mapping; the two clients only send.
 
 Every error body is turned back into the typed error the daemon raised
 (:func:`protocol.errors.error_from_problem`); a daemon that cannot be reached raises
@@ -14,9 +15,9 @@ import collections
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -217,20 +218,111 @@ _RETRYABLE = (
     httpx.RemoteProtocolError,
     httpx.ConnectTimeout,
 )
+R = TypeVar("R")
 
 
-class DaemonClient:
+@dataclass(frozen=True)
+class _Call(Generic[R]):
+    """One API call, as data: what to send, whether it may be repeated, which statuses are
+    answers rather than problems, and how to read the answer. Sync and async clients only send
+    it (as httpx's ``Client`` and ``AsyncClient`` share their request building)."""
+
+    method: str
+    path: str
+    read: Callable[[httpx.Response], R]
+    idempotent: bool = True
+    json: Any = None
+    answers: tuple[int, ...] = ()  # statuses >= 400 read as answers (/ready's 503)
+
+
+class _BaseClient:
+    """What both clients share: the connection settings, the calls of the API, the retry
+    policy and the mapping of answers and transport errors to typed results."""
+
+    config: ClientConfig
+
+    def _client_options(self) -> dict[str, Any]:
+        return {
+            "base_url": self.config._base_url(),
+            "headers": self.config._headers(),
+            "timeout": self.config.timeout_s,
+        }
+
+    def _attempts(self, call: _Call[Any]) -> range:
+        """Requests safe to repeat get ``retries`` more attempts; a grant gets one."""
+        return range(1 + (self.config.retries if call.idempotent else 0))
+
+    def _backoff(self, call: _Call[Any], attempt: int, exc: Exception) -> float:
+        """Seconds to wait before the next attempt after ``exc``, or the typed error to raise
+        when the error is not worth retrying or the attempts are spent."""
+        if not isinstance(exc, _RETRYABLE) or attempt + 1 >= len(self._attempts(call)):
+            raise _unavailable(self.config, exc) from exc
+        return self.config.retry_backoff_s * 2.0**attempt
+
+    @staticmethod
+    def _answer(call: _Call[R], response: httpx.Response) -> R:
+        if response.status_code not in call.answers:
+            _raise_for_problem(response)
+        return call.read(response)
+
+    # --- the API's calls --------------------------------------------------------------------
+
+    @staticmethod
+    def _health() -> _Call[Health]:
+        return _Call("GET", "/health", lambda r: _parse(Health, r.content))
+
+    @staticmethod
+    def _ready() -> _Call[Readiness]:
+        # A 503 (still loading, or failed) is a normal answer; asked once, never retried.
+        read = lambda r: _parse(Readiness, r.content)  # noqa: E731
+        return _Call("GET", "/ready", read, idempotent=False, answers=(503,))
+
+    @staticmethod
+    def _inventory() -> _Call[Inventory]:
+        return _Call("GET", "/v1/inventory", lambda r: _parse(Inventory, r.content))
+
+    @staticmethod
+    def _models() -> _Call[list[ModelInfo]]:
+        return _Call("GET", "/v1/models", lambda r: _parse_list(ModelInfo, r.content))
+
+    @staticmethod
+    def _model(model_id: str) -> _Call[ModelInfo]:
+        return _Call("GET", f"/v1/models/{model_id}", lambda r: _parse(ModelInfo, r.content))
+
+    def _lease(
+        self,
+        model: str,
+        tp_rank: int,
+        tp_size: int,
+        kernel: str,
+        format: str,
+        ttl_s: float | None,
+    ) -> _Call[LeaseGrant]:
+        lease = _LeaseCall(self.config, model, tp_rank, tp_size, kernel, format, ttl_s)
+        return _Call("POST", "/v1/leases", lease.grant, idempotent=False, json=lease.body)
+
+    @staticmethod
+    def _leases() -> _Call[list[LeaseInfo]]:
+        return _Call("GET", "/v1/leases", lambda r: _parse_list(LeaseInfo, r.content))
+
+    @staticmethod
+    def _renew(lease_id: str, ttl_s: float | None) -> _Call[LeaseInfo]:
+        body = {"ttl_s": ttl_s} if ttl_s is not None else None
+        read = lambda r: _parse(LeaseInfo, r.content)  # noqa: E731
+        return _Call("POST", f"/v1/leases/{lease_id}/renew", read, json=body)
+
+    @staticmethod
+    def _release(lease_id: str) -> _Call[None]:
+        return _Call("DELETE", f"/v1/leases/{lease_id}", lambda r: None)
+
+
+class DaemonClient(_BaseClient):
     """Synchronous client (used by the CLI and by engines at load time)."""
 
     def __init__(self, config: ClientConfig | None = None) -> None:
         self.config = config or ClientConfig.from_env()
         transport = httpx.HTTPTransport(uds=self.config.uds, verify=self.config._verify())
-        self._http = httpx.Client(
-            base_url=self.config._base_url(),
-            transport=transport,
-            headers=self.config._headers(),
-            timeout=self.config.timeout_s,
-        )
+        self._http = httpx.Client(transport=transport, **self._client_options())
 
     def close(self) -> None:
         self._http.close()
@@ -241,54 +333,31 @@ class DaemonClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        idempotent: bool,
-        json: Any = None,
-    ) -> httpx.Response:
-        attempts = 1 + (self.config.retries if idempotent else 0)
-        for attempt in range(attempts):
+    def _send(self, call: _Call[R]) -> R:
+        for attempt in self._attempts(call):
             try:
-                response = self._http.request(method, path, json=json)
-            except _RETRYABLE as exc:
-                if attempt + 1 >= attempts:
-                    raise _unavailable(self.config, exc) from exc
-                time.sleep(self.config.retry_backoff_s * (2**attempt))
-                continue
+                response = self._http.request(call.method, call.path, json=call.json)
             except _TRANSPORT_ERRORS as exc:
-                raise _unavailable(self.config, exc) from exc
-            _raise_for_problem(response)
-            return response
+                time.sleep(self._backoff(call, attempt, exc))
+                continue
+            return self._answer(call, response)
         raise AssertionError("unreachable")
 
-    def _get(self, path: str, model: type[T]) -> T:
-        return _parse(model, self._request("GET", path, idempotent=True).content)
-
     def health(self) -> Health:
-        return self._get("/health", Health)
+        return self._send(self._health())
 
     def ready(self) -> Readiness:
         """Readiness; a 503 answer (still loading, or failed) is a normal answer here."""
-        try:
-            response = self._http.get("/ready")
-        except _TRANSPORT_ERRORS as exc:
-            raise _unavailable(self.config, exc) from exc
-        if response.status_code not in (200, 503):
-            _raise_for_problem(response)
-        return _parse(Readiness, response.content)
+        return self._send(self._ready())
 
     def inventory(self) -> Inventory:
-        return self._get("/v1/inventory", Inventory)
+        return self._send(self._inventory())
 
     def models(self) -> list[ModelInfo]:
-        response = self._request("GET", "/v1/models", idempotent=True)
-        return _parse_list(ModelInfo, response.content)
+        return self._send(self._models())
 
     def model(self, model_id: str) -> ModelInfo:
-        return self._get(f"/v1/models/{model_id}", ModelInfo)
+        return self._send(self._model(model_id))
 
     def lease(
         self,
@@ -300,23 +369,19 @@ class DaemonClient:
         ttl_s: float | None = None,
     ) -> LeaseGrant:
         """Lease one rank; the returned grant always carries the full manifest."""
-        call = _LeaseCall(self.config, model, tp_rank, tp_size, kernel, format, ttl_s)
-        return call.grant(self._request("POST", "/v1/leases", idempotent=False, json=call.body))
+        return self._send(self._lease(model, tp_rank, tp_size, kernel, format, ttl_s))
 
     def leases(self) -> list[LeaseInfo]:
-        response = self._request("GET", "/v1/leases", idempotent=True)
-        return _parse_list(LeaseInfo, response.content)
+        return self._send(self._leases())
 
     def renew(self, lease_id: str, ttl_s: float | None = None) -> LeaseInfo:
-        body = {"ttl_s": ttl_s} if ttl_s is not None else None
-        response = self._request("POST", f"/v1/leases/{lease_id}/renew", idempotent=True, json=body)
-        return _parse(LeaseInfo, response.content)
+        return self._send(self._renew(lease_id, ttl_s))
 
     def release(self, lease_id: str) -> None:
-        self._request("DELETE", f"/v1/leases/{lease_id}", idempotent=True)
+        self._send(self._release(lease_id))
 
 
-class AsyncDaemonClient:
+class AsyncDaemonClient(_BaseClient):
     """The same API for asyncio callers."""
 
     def __init__(self, config: ClientConfig | None = None) -> None:
@@ -324,12 +389,7 @@ class AsyncDaemonClient:
         transport = httpx.AsyncHTTPTransport(
             uds=self.config.uds, verify=self.config._verify(), limits=_LIMITS
         )
-        self._http = httpx.AsyncClient(
-            base_url=self.config._base_url(),
-            transport=transport,
-            headers=self.config._headers(),
-            timeout=self.config.timeout_s,
-        )
+        self._http = httpx.AsyncClient(transport=transport, **self._client_options())
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -340,36 +400,31 @@ class AsyncDaemonClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        idempotent: bool,
-        json: Any = None,
-    ) -> httpx.Response:
-        attempts = 1 + (self.config.retries if idempotent else 0)
-        for attempt in range(attempts):
+    async def _send(self, call: _Call[R]) -> R:
+        for attempt in self._attempts(call):
             try:
-                response = await self._http.request(method, path, json=json)
-            except _RETRYABLE as exc:
-                if attempt + 1 >= attempts:
-                    raise _unavailable(self.config, exc) from exc
-                await asyncio.sleep(self.config.retry_backoff_s * (2**attempt))
-                continue
+                response = await self._http.request(call.method, call.path, json=call.json)
             except _TRANSPORT_ERRORS as exc:
-                raise _unavailable(self.config, exc) from exc
-            _raise_for_problem(response)
-            return response
+                await asyncio.sleep(self._backoff(call, attempt, exc))
+                continue
+            return self._answer(call, response)
         raise AssertionError("unreachable")
 
     async def health(self) -> Health:
-        response = await self._request("GET", "/health", idempotent=True)
-        return _parse(Health, response.content)
+        return await self._send(self._health())
+
+    async def ready(self) -> Readiness:
+        """Readiness; a 503 answer (still loading, or failed) is a normal answer here."""
+        return await self._send(self._ready())
 
     async def inventory(self) -> Inventory:
-        response = await self._request("GET", "/v1/inventory", idempotent=True)
-        return _parse(Inventory, response.content)
+        return await self._send(self._inventory())
+
+    async def models(self) -> list[ModelInfo]:
+        return await self._send(self._models())
+
+    async def model(self, model_id: str) -> ModelInfo:
+        return await self._send(self._model(model_id))
 
     async def lease(
         self,
@@ -381,20 +436,16 @@ class AsyncDaemonClient:
         ttl_s: float | None = None,
     ) -> LeaseGrant:
         """Lease one rank; the returned grant always carries the full manifest."""
-        call = _LeaseCall(self.config, model, tp_rank, tp_size, kernel, format, ttl_s)
-        return call.grant(
-            await self._request("POST", "/v1/leases", idempotent=False, json=call.body)
-        )
+        return await self._send(self._lease(model, tp_rank, tp_size, kernel, format, ttl_s))
+
+    async def leases(self) -> list[LeaseInfo]:
+        return await self._send(self._leases())
 
     async def renew(self, lease_id: str, ttl_s: float | None = None) -> LeaseInfo:
-        body = {"ttl_s": ttl_s} if ttl_s is not None else None
-        response = await self._request(
-            "POST", f"/v1/leases/{lease_id}/renew", idempotent=True, json=body
-        )
-        return _parse(LeaseInfo, response.content)
+        return await self._send(self._renew(lease_id, ttl_s))
 
     async def release(self, lease_id: str) -> None:
-        await self._request("DELETE", f"/v1/leases/{lease_id}", idempotent=True)
+        await self._send(self._release(lease_id))
 
 
 __all__ = ["AsyncDaemonClient", "ClientConfig", "DaemonClient", "WeightCacheError"]

@@ -58,11 +58,10 @@ from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from engine_client.attach import Attachment
+from engine_client.attach import Attachment, attach_waiting
 from engine_client.client import ClientConfig, DaemonClient
 from engine_client.fallback import as_weight_cache_error, record_fallback
 from engine_client.loader_options import LoaderOptions
-from engine_client.loading import attach_waiting
 from engine_client.verify import Expectations
 from modelopt_fp8.checkpoint import Fingerprint, IdentityTier, checkpoint_fingerprint
 from protocol.errors import (

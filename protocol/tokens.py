@@ -1,5 +1,5 @@
-"""Bearer tokens kept in files (a compose secret, a mounted file): read the same way by the daemon
-and by every client, under one precedence rule."""
+"""Bearer tokens, from a flag, an option, the environment or a file (a compose secret, a mounted
+file): chosen by the daemon and by every client under one precedence rule, and read one way."""
 
 from __future__ import annotations
 
@@ -28,18 +28,33 @@ def read_token_file(path: str | Path) -> str:
     return token
 
 
+TOKEN_VARIABLE = "WEIGHT_CACHE_TOKEN"
+TOKEN_FILE_VARIABLE = "WEIGHT_CACHE_TOKEN_FILE"
+
+
+def choose_token(
+    token: str | None = None,
+    token_file: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[str | None, str | Path | None]:
+    """The one rule, for daemon and clients alike, without reading any file: what is given (a
+    flag, a loader option, a keyword) wins over the environment, and within each a token file
+    wins over a token value. Returns ``(value, None)``, ``(None, file)`` or ``(None, None)``."""
+    if token_file:
+        return None, token_file
+    if token:
+        return token, None
+    environ = os.environ if environ is None else environ
+    if environ.get(TOKEN_FILE_VARIABLE):
+        return None, environ[TOKEN_FILE_VARIABLE]
+    return environ.get(TOKEN_VARIABLE) or None, None
+
+
 def resolve_token(
     token: str | None = None,
     token_file: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> str | None:
-    """The one rule, for daemon and clients alike: what is given (flag, option) wins over the
-    environment, and within each a token file wins over a token value."""
-    if token_file:
-        return read_token_file(token_file)
-    if token:
-        return token
-    environ = os.environ if environ is None else environ
-    if environ.get("WEIGHT_CACHE_TOKEN_FILE"):
-        return read_token_file(environ["WEIGHT_CACHE_TOKEN_FILE"])
-    return environ.get("WEIGHT_CACHE_TOKEN") or None
+    """The token :func:`choose_token` picks, read from its file when it is one."""
+    value, file = choose_token(token, token_file, environ)
+    return read_token_file(file) if file else value

@@ -19,7 +19,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from protocol.errors import UnauthorizedError
 from protocol.schemas.models import default_model_id
-from protocol.tokens import read_token_file
+from protocol.tokens import choose_token, read_token_file
 from protocol.version import DEFAULT_PORT
 from service.env import ENV_PREFIX, check_environment, env_names, known_variables
 
@@ -114,6 +114,16 @@ class DaemonSettings(BaseSettings):
         default=False, description="keep serving when a startup model fails to load"
     )
 
+    def __init__(self, **values: Any) -> None:
+        """The token is chosen here, by :func:`protocol.tokens.choose_token` as clients choose
+        theirs, from what was given (flags, keywords) and the environment: once pydantic-settings
+        has merged the two it cannot tell them apart."""
+        token = values.pop("token", None)
+        if isinstance(token, SecretStr):
+            token = token.get_secret_value()
+        value, file = choose_token(token, values.pop("token_file", None))
+        super().__init__(**values, token=value, token_file=file)
+
     @field_validator("models", "allowed_roots", mode="before")
     @classmethod
     def _paths(cls, value: Any) -> Any:
@@ -128,9 +138,9 @@ class DaemonSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _token_from_file(self) -> DaemonSettings:
-        """A token file, when given (by flag or environment), wins over a token value: the one
-        precedence rule clients follow too (:func:`protocol.tokens.resolve_token`). A token is
-        compared without surrounding whitespace, and one of whitespace alone is no token."""
+        """Read the token file :func:`protocol.tokens.choose_token` chose, if it chose one. A
+        token is compared without surrounding whitespace, and one of whitespace alone is no
+        token."""
         if self.token_file is not None:
             try:
                 self.token = SecretStr(read_token_file(self.token_file))

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,14 +52,6 @@ def make_settings(tmp_path: Path, models: list[Path], **over: Any) -> DaemonSett
     }
     values.update(over)
     return DaemonSettings(**values)
-
-
-def wait_for(predicate: Callable[[], object], timeout: float = 30.0) -> None:
-    """Poll ``predicate`` until it holds; fail the test if it does not within ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def free_port() -> int:

@@ -80,7 +80,7 @@ def apply_code_lut(weight: torch.Tensor, lut: torch.Tensor) -> None:
 
 # Hands out contiguous storage (shape ``spec.storage_shape``, dtype ``spec.dtype``) to write into.
 StorageFor = Callable[[TensorSpec], torch.Tensor]
-Progress = Callable[[int, int], None]  # (bytes written, tensors written) since the last call
+OnProgress = Callable[[int, int], None]  # (bytes written, tensors written) since the last call
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,7 @@ def fill_carried(ckpt: Checkpoint, plan: CarriedPlan, storage_for: StorageFor) -
 
 
 def execute_plan(
-    ckpt: Checkpoint, plan: ModelPlan, storage_for: StorageFor, progress: Progress | None = None
+    ckpt: Checkpoint, plan: ModelPlan, storage_for: StorageFor, progress: OnProgress | None = None
 ) -> None:
     """Process every layer of ``plan`` into storage from ``storage_for``."""
     for lp in plan.linears:
@@ -221,11 +221,11 @@ def execute_plan(
             progress(cp.spec.nbytes, 1)
 
 
-def load_processed(
+def process_checkpoint(
     ckpt: Checkpoint,
     plan: ModelPlan,
     device: torch.device | str = "cpu",
-    progress: Progress | None = None,
+    progress: OnProgress | None = None,
 ) -> dict[str, torch.Tensor]:
     """An ordinary load: every processed tensor in its own fresh allocation on ``device``.
 
@@ -253,6 +253,6 @@ def reference_storages(path: Path, tp: int, rank: int) -> tuple[ModelPlan, dict[
     """Every processed storage of ``rank`` as the reference path makes it."""
     with Checkpoint.open(path) as ckpt:
         plan = plan_model(ckpt, tp, rank)
-        tensors = load_processed(ckpt, plan)
+        tensors = process_checkpoint(ckpt, plan)
     specs = {s.name: s for s in plan.specs}
     return plan, {name: specs[name].storage_of(t) for name, t in tensors.items()}

@@ -148,3 +148,35 @@ def test_the_cycle_check_sees_a_cycle(
     graph: dict[str, set[str]], expected: list[list[str]]
 ) -> None:
     assert _cycles(graph) == expected
+
+
+def _daemon_internals_reached(source: str, where: str) -> list[str]:
+    """Every ``<...>daemon.metrics`` or ``<...>daemon.settings`` in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source, where)):
+        if not isinstance(node, ast.Attribute) or node.attr not in ("metrics", "settings"):
+            continue
+        owner = node.value
+        name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+        if name == "daemon":
+            found.append(f"{where}:{node.lineno} daemon.{node.attr}")
+    return found
+
+
+def test_the_api_talks_to_the_daemon_through_its_methods() -> None:
+    """Routes, auth and handlers call the daemon's methods: they reach neither its settings nor
+    its metrics (ARCHITECTURE.md)."""
+    reached = [
+        hit
+        for path in sorted((ROOT / "service" / "api").rglob("*.py"))
+        for hit in _daemon_internals_reached(path.read_text(), str(path.relative_to(ROOT)))
+    ]
+    assert reached == []
+
+
+def test_the_daemon_internals_check_sees_a_reach() -> None:
+    source = "def f(request, daemon):\n    return request.app.state.daemon.metrics, daemon.settings"
+    assert _daemon_internals_reached(source, "r.py") == [
+        "r.py:2 daemon.metrics",
+        "r.py:2 daemon.settings",
+    ]

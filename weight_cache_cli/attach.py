@@ -98,9 +98,9 @@ def attach_command(
     import torch
 
     from engine_client.attach import attach
+    from engine_client.checkpoint_read import read_checkpoint
     from engine_client.client import DaemonClient
     from engine_client.fallback import reason_of
-    from engine_client.loading import load_from_disk
     from engine_client.verify import Expectations
     from modelopt_fp8.checkpoint import IdentityTier
     from protocol.errors import WeightCacheError
@@ -139,7 +139,7 @@ def attach_command(
             }
             if check:
                 start = time.perf_counter()
-                disk, layers = load_from_disk(path, dev, tp_rank, tp_size)
+                disk, layers = read_checkpoint(path, dev, tp_rank, tp_size)
                 report["disk_load_ms"] = round((time.perf_counter() - start) * 1e3, 3)
                 expected = run_layers(layers, disk, dev)
                 report["matches_disk_load"] = layers == att.layers and all(

@@ -402,7 +402,7 @@ def _run(settings: DaemonSettings, listener: socket.socket) -> Daemon:
     def stop() -> None:
         server.should_exit = True
 
-    daemon.on_startup_failure = stop
+    daemon.on_startup_failure(stop)
     host, port = listener.getsockname()[:2] if settings.uds is None else ("", 0)
     where = settings.uds or f"http://{f'[{host}]' if ':' in host else host}:{port}"
     log.info("weight-cache daemon listening on %s (device %s)", where, settings.device)

@@ -1,6 +1,6 @@
 """Processing checkpoints for vLLM's CUTLASS FP8 kernel, byte-identical to vLLM 0.33."""
 
-from modelopt_fp8.processing.execute import execute_plan, load_processed
+from modelopt_fp8.processing.execute import execute_plan, process_checkpoint
 from modelopt_fp8.processing.plan import (
     CarriedPlan,
     LinearPlan,
@@ -17,6 +17,6 @@ __all__ = [
     "ShardSource",
     "TensorSpec",
     "execute_plan",
-    "load_processed",
     "plan_model",
+    "process_checkpoint",
 ]

@@ -37,7 +37,7 @@ from modelopt_fp8.processing.rows import (
     Destination,
     Fill,
     Job,
-    Progress,
+    OnProgress,
     RowFill,
     RowSource,
     Segment,
@@ -274,7 +274,7 @@ def plan_jobs(ckpt: Checkpoint, plan: ModelPlan) -> list[Job]:
 
 
 def execute_plan(
-    ckpt: Checkpoint, plan: ModelPlan, storage_for: StorageFor, progress: Progress | None = None
+    ckpt: Checkpoint, plan: ModelPlan, storage_for: StorageFor, progress: OnProgress | None = None
 ) -> dict[str, str]:
     """Process every layer of ``plan`` into storage from ``storage_for``; returns the xxh3
     checksum of every storage, by tensor name."""
@@ -285,11 +285,11 @@ def execute_plan(
         return run_jobs(src, plan_jobs(ckpt, plan), dests, progress)
 
 
-def load_processed(
+def process_checkpoint(
     ckpt: Checkpoint,
     plan: ModelPlan,
     device: torch.device | str = "cpu",
-    progress: Progress | None = None,
+    progress: OnProgress | None = None,
 ) -> dict[str, torch.Tensor]:
     """An ordinary load: every processed tensor in its own fresh allocation on ``device``.
 

@@ -32,7 +32,7 @@ from modelopt_fp8.processing.rows import (
     FileRange,
     Fill,
     Job,
-    Progress,
+    OnProgress,
     RowFill,
     Stopped,
     chunk_rows,
@@ -173,7 +173,7 @@ def run_jobs(
     src: SourceFiles,
     jobs: Sequence[Job],
     dests: dict[str, Destination],
-    progress: Progress | None = None,
+    progress: OnProgress | None = None,
 ) -> dict[str, str]:
     """Run ``jobs`` on the shared pool, largest first and at most as many at once as it has
     workers (so loads running together take turns); returns every storage's checksum. On

@@ -22,7 +22,7 @@ from modelopt_fp8.processing.plan import TensorSpec
 from modelopt_fp8.processing.source import SourceFiles
 
 Bytes = npt.NDArray[np.uint8]
-Progress = Callable[[int, int], None]  # (bytes written, tensors written) since the last call
+OnProgress = Callable[[int, int], None]  # (bytes written, tensors written) since the last call
 
 
 @dataclass(frozen=True)

@@ -40,16 +40,9 @@ def create_app(settings: DaemonSettings, daemon: Daemon | None = None) -> FastAP
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await anyio.to_thread.run_sync(daemon.start)  # cleanup and directory work: a thread
         tasks = [
-            asyncio.create_task(
-                _every(daemon.settings.reaper_interval_s, daemon.sweep, "lease sweep")
-            )
+            asyncio.create_task(_every(interval_s, work, what))
+            for interval_s, work, what in daemon.periodic_tasks()
         ]
-        if daemon.settings.scrub_interval_s > 0:
-            tasks.append(
-                asyncio.create_task(
-                    _every(daemon.settings.scrub_interval_s, daemon.scrub, "arena scrub")
-                )
-            )
         try:
             yield
         finally:
@@ -78,6 +71,6 @@ def create_app(settings: DaemonSettings, daemon: Daemon | None = None) -> FastAP
     app.add_middleware(
         BodySizeLimit,
         max_bytes=settings.max_body_bytes,
-        on_refuse=lambda code: daemon.metrics.refusals.labels(code=code).inc(),
+        on_refuse=daemon.count_refusal,
     )
     return app

@@ -11,7 +11,7 @@ from protocol.errors import UnauthorizedError
 
 
 async def require_token(request: Request) -> None:
-    token = request.app.state.daemon.settings.token
+    token = request.app.state.daemon.token
     if token is None:
         return
     header = request.headers.get("authorization", "")

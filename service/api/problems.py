@@ -75,7 +75,7 @@ def install(app: FastAPI) -> None:
         log_refusal(request.method, request.url.path, error)
         daemon = getattr(request.app.state, "daemon", None)
         if daemon is not None:
-            daemon.metrics.refusals.labels(code=error.code).inc()
+            daemon.count_refusal(error.code)
 
     @app.exception_handler(WeightCacheError)
     async def _typed(request: Request, exc: WeightCacheError) -> JSONResponse:

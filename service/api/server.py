@@ -178,7 +178,7 @@ def guarded_protocol(limits: FrontLimits) -> type[asyncio.Protocol]:
 def server_config(app: FastAPI, settings: DaemonSettings, **extra: Any) -> uvicorn.Config:
     """uvicorn's configuration for the daemon's app behind the guarded protocol."""
     daemon = getattr(app.state, "daemon", None)
-    on_refuse = (lambda code: daemon.metrics.refusals.labels(code=code).inc()) if daemon else None
+    on_refuse = daemon.count_refusal if daemon else None
     limits = FrontLimits(
         max_connections=settings.max_connections,
         max_header_bytes=settings.max_header_bytes,

@@ -106,3 +106,12 @@ def process_start(pid: int) -> tuple[int, str] | None:
     # The command name may hold spaces and parentheses: split after its closing ")".
     fields = stat[stat.rindex(")") + 2 :].split()
     return int(fields[19]), fields[0]
+
+
+def use_plain_cuda_allocations() -> None:
+    """Turn off expandable segments for this process: opening an expandable-segment handle costs
+    time in proportion to its size, a plain allocation's does not (arenas are opened per lease)."""
+    if not torch.cuda.is_available():
+        return
+    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    (set_settings or torch.cuda.memory._set_allocator_settings)("expandable_segments:False")

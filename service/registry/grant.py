@@ -27,7 +27,8 @@ class Grant:
     arenas: list[ArenaDescriptor]
     with_manifest: bool  # False when the client said it holds this layout
 
-    def model(self) -> LeaseGrant:
+    def as_schema(self) -> LeaseGrant:
+        """The grant as the ``LeaseGrant`` schema (what :meth:`render` writes, built slowly)."""
         return LeaseGrant(
             lease=self.lease,
             layout_digest=self.rank.manifest.layout_digest,

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protocol.errors import WeightCacheError
+from protocol.errors import ModelFailedError, ModelLoadingError, WeightCacheError
 from protocol.schemas.manifest import CheckpointIdentity
 from protocol.schemas.models import LoadProgress, ModelError, ModelInfo, ModelState
 from service.registry.loader import Progress, ResidentRank
@@ -38,6 +38,23 @@ class ModelRecord:
             return 1
         remaining = (p.bytes_total - p.bytes_done) * elapsed / p.bytes_done
         return max(1, round(remaining))
+
+    def require_ready(self) -> None:
+        """Raise why no lease can be granted on this model yet (still loading: when to retry)
+        or at all (failed: the code it failed with)."""
+        if self.state is ModelState.loading:
+            raise ModelLoadingError(
+                f"model {self.id!r} is still loading",
+                model=self.id,
+                retry_after_s=self.retry_after_s(),
+            )
+        if self.state is ModelState.failed:
+            assert self.error is not None
+            raise ModelFailedError(
+                f"model {self.id!r} failed to load: {self.error.detail}",
+                model=self.id,
+                reason=self.error.code,
+            )
 
     def info(self, active_leases: int) -> ModelInfo:
         p = self.progress

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +18,10 @@ from engine_client.client import ClientConfig
 from engine_client.verify import Expectations
 from modelopt_fp8.checkpoint import Checkpoint, checkpoint_fingerprint
 from modelopt_fp8.checkpoint.quant_config import QuantConfig
-from modelopt_fp8.processing import load_processed, plan_model
+from modelopt_fp8.processing import plan_model, process_checkpoint
 from protocol.errors import LayoutMismatchError, VerificationError
 from tests.daemon_process import DaemonProcess
+from tests.waiting import wait_for
 
 CPU = torch.device("cpu")
 
@@ -41,7 +41,7 @@ def test_attached_tensors_are_the_ordinary_load_zero_copy(daemon_process, tiny_f
         assert att.manifest.model == "tiny"
         with Checkpoint.open(tiny_fp8) as ckpt:
             plan = plan_model(ckpt)
-            expected = load_processed(ckpt, plan)
+            expected = process_checkpoint(ckpt, plan)
         assert att.layers == plan.layouts
         assert set(att.tensors) == set(expected)
         for name, want in expected.items():
@@ -61,8 +61,15 @@ def test_attached_tensors_are_the_ordinary_load_zero_copy(daemon_process, tiny_f
 def test_keeper_renews_until_closed(daemon_process, tiny_fp8) -> None:
     config = ClientConfig(url=daemon_process.url)
     att = attach("tiny", expectations(tiny_fp8), config=config, ttl_s=0.3)
+    first_expiry = att.grant.lease.expires_at
     try:
-        time.sleep(1.0)  # three TTLs: without renewals the lease would have expired
+        # Until a renewal lands after the first TTL ran out: only renewals keep it alive so long.
+        wait_for(
+            lambda: any(
+                lease["expires_at"] > first_expiry + 0.3 for lease in active_leases(daemon_process)
+            ),
+            timeout=30,
+        )
         (lease,) = active_leases(daemon_process)
         assert lease["renewals"] >= 2 and att.keeper is not None and att.keeper.renewals >= 2
     finally:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_client.client import AsyncDaemonClient, ClientConfig, DaemonClient
+from engine_client.client import AsyncDaemonClient, ClientConfig, DaemonClient, daemon_url
 from protocol.errors import (
     DaemonUnavailableError,
     LayoutMismatchError,
@@ -17,7 +17,8 @@ from protocol.errors import (
     UnauthorizedError,
     VerificationError,
 )
-from tests.daemon_process import free_port, start_daemon, wait_for
+from tests.daemon_process import free_port, start_daemon
+from tests.waiting import wait_for
 
 
 class FlakyServer(threading.Thread):
@@ -122,6 +123,36 @@ async def test_async_client(daemon_process) -> None:
             await client.lease("ghost")
 
 
+async def test_async_client_has_every_call_of_the_sync_one(daemon_process) -> None:
+    public = {n for n in dir(DaemonClient) if not n.startswith("_")} - {"close"}
+    assert public <= {n for n in dir(AsyncDaemonClient) if not n.startswith("_")}
+    async with AsyncDaemonClient(ClientConfig(url=daemon_process.url)) as client:
+        assert (await client.ready()).ready
+        assert [m.id for m in await client.models()] == ["tiny"]
+        assert (await client.model("tiny")).state.value == "ready"
+        grant = await client.lease("tiny", ttl_s=5)
+        assert [lease.id for lease in await client.leases()] == [grant.lease.id]
+        await client.release(grant.lease.id)
+        with pytest.raises(ModelNotFoundError):
+            await client.model("ghost")
+
+
+async def test_async_reads_are_retried_and_grants_are_not() -> None:
+    """The retry policy is the base's: the async client follows it as the sync one does."""
+    server = FlakyServer(drops=2)
+    server.start()
+    config = ClientConfig(url=f"http://127.0.0.1:{server.port}", retries=2, retry_backoff_s=0.01)
+    async with AsyncDaemonClient(config) as client:
+        assert (await client.health()).status == "ok"
+    assert server.connections == 3
+    server.drops = 10
+    async with AsyncDaemonClient(config) as client:
+        with pytest.raises(DaemonUnavailableError):
+            await client.lease("tiny")
+    assert server.connections == 4
+    server.sock.close()
+
+
 def test_layouts_are_fetched_once_per_process(daemon_process, monkeypatch) -> None:
     from engine_client.client import LAYOUTS
 
@@ -213,3 +244,19 @@ def test_ready_reports_a_failed_model_without_raising(
         pytest.raises(DaemonUnavailableError),
     ):
         client.ready()
+
+
+def test_clients_find_the_daemon_from_its_variables(monkeypatch) -> None:
+    assert daemon_url({}) == "http://127.0.0.1:8470"
+    assert daemon_url({"WEIGHT_CACHE_PORT": "9001"}) == "http://127.0.0.1:9001"
+    assert daemon_url({"WEIGHT_CACHE_HOST": "0.0.0.0", "WEIGHT_CACHE_PORT": "9"}) == (
+        "http://127.0.0.1:9"
+    )
+    assert daemon_url({"WEIGHT_CACHE_HOST": "::1"}) == "http://[::1]:8470"
+    assert daemon_url({"WEIGHT_CACHE_URL": "http://h:1", "WEIGHT_CACHE_PORT": "9"}) == "http://h:1"
+    monkeypatch.setenv("WEIGHT_CACHE_PORT", "9002")
+    monkeypatch.setenv("WEIGHT_CACHE_UDS", "/run/wc.sock")
+    config = ClientConfig.from_env()
+    assert config.url == "http://127.0.0.1:9002" and config.uds == "/run/wc.sock"
+    explicit = ClientConfig.from_env(url="http://127.0.0.1:1")
+    assert explicit.url == "http://127.0.0.1:1" and explicit.uds is None  # a flag beats the env

@@ -17,9 +17,9 @@ import torch
 from prometheus_client import REGISTRY
 
 from engine_client.arenas import open_arena
+from engine_client.checkpoint_read import attach_or_read
 from engine_client.client import ClientConfig
 from engine_client.fallback import FALLBACKS, as_weight_cache_error, reason_of, typed_failures
-from engine_client.loading import load_weights
 from engine_client.verify import Expectations
 from protocol.errors import (
     ArenaUnavailableError,
@@ -184,7 +184,7 @@ def real_grant(daemon: DaemonProcess) -> dict[str, object]:
 def _fall_back(url: str, tiny_fp8: Path, reason: Reason, caplog: pytest.LogCaptureFixture) -> None:
     before, before_prom = FALLBACKS[reason], prometheus(reason)
     with caplog.at_level(logging.WARNING, logger="engine_client"):
-        result = load_weights(
+        result = attach_or_read(
             "tiny",
             tiny_fp8,
             Expectations.for_checkpoint(tiny_fp8, CPU),
@@ -233,7 +233,7 @@ def test_views_the_arena_cannot_hold_fall_back(
 def test_fallback_off_raises_the_typed_error(answer, tiny_fp8: Path) -> None:
     server = answer(201, b"not json")
     with pytest.raises(BadResponseError):
-        load_weights(
+        attach_or_read(
             "tiny",
             tiny_fp8,
             Expectations.for_checkpoint(tiny_fp8, CPU),

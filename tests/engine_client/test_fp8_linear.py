@@ -10,7 +10,7 @@ import torch
 
 from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear, scaled_mm
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import load_processed, plan_model
+from modelopt_fp8.processing import plan_model, process_checkpoint
 from modelopt_fp8.processing.fp8 import quantize_per_token, quantize_static
 from protocol.schemas.layout import ActivationQuant
 
@@ -41,7 +41,7 @@ def reference(x: torch.Tensor, w: Fp8LinearWeights) -> torch.Tensor:
 def test_forward_matches_dequantized_reference(tiny_any: Path, layer: int) -> None:
     with Checkpoint.open(tiny_any) as ckpt:
         plan = plan_model(ckpt)
-        tensors = load_processed(ckpt, plan)
+        tensors = process_checkpoint(ckpt, plan)
     w = Fp8LinearWeights.from_tensors(plan.layouts[layer], tensors)
     g = torch.Generator().manual_seed(layer)
     x = (torch.randn(3, 5, w.layout.input_size, generator=g) * 0.5).to(torch.bfloat16)
@@ -70,7 +70,7 @@ def test_scaled_mm_refuses_a_row_major_weight() -> None:
 def test_bias_and_per_token_scales(tiny_pc: Path) -> None:
     with Checkpoint.open(tiny_pc) as ckpt:
         plan = plan_model(ckpt)
-        tensors = load_processed(ckpt, plan)
+        tensors = process_checkpoint(ckpt, plan)
     w = Fp8LinearWeights.from_tensors(plan.layouts[0], tensors)
     bias = torch.linspace(-1, 1, w.layout.output_size).to(torch.bfloat16)
     wb = Fp8LinearWeights(w.layout, w.weight, w.weight_scale, w.input_scale, bias)

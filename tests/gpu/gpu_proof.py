@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from engine_client.checkpoint_read import EngineWeights, attach_or_read, read_checkpoint
 from engine_client.client import ClientConfig
-from engine_client.loading import LoadResult, load_from_disk, load_weights
 from engine_client.verify import Expectations
 from service.demo import write_demo_checkpoint
 from tests.daemon_process import free_port, start_daemon
@@ -47,14 +47,14 @@ def engine(url: str, model: str, checkpoint: Path) -> dict[str, Any]:
     expect = Expectations.for_checkpoint(checkpoint, device)
 
     start = time.perf_counter()
-    disk, layers = load_from_disk(checkpoint, device)
+    disk, layers = read_checkpoint(checkpoint, device)
     if cuda:
         torch.cuda.synchronize()
     report["ordinary_load_ms"] = (time.perf_counter() - start) * 1e3
     reference = run_layers(layers, disk, device)
 
     unreachable = ClientConfig(url=f"http://127.0.0.1:{free_port()}", retries=0)
-    fallback = load_weights(model, checkpoint, expect, config=unreachable, fallback=True)
+    fallback = attach_or_read(model, checkpoint, expect, config=unreachable, fallback=True)
     report["fallback"] = {
         "source": fallback.source,
         "reason": fallback.reason,
@@ -65,9 +65,9 @@ def engine(url: str, model: str, checkpoint: Path) -> dict[str, Any]:
     }
 
     allocated = torch.cuda.memory_allocated(device) if cuda else 0
-    attaches: list[LoadResult] = []
+    attaches: list[EngineWeights] = []
     for label in ("attach_1", "attach_2"):
-        result = load_weights(
+        result = attach_or_read(
             model, checkpoint, expect, config=ClientConfig(url=url), fallback=False
         )
         assert result.attachment is not None

@@ -13,7 +13,7 @@ import torch
 
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.checkpoint.opened import PathPolicy
-from modelopt_fp8.processing import cuda_fill, load_processed, plan_model
+from modelopt_fp8.processing import cuda_fill, plan_model, process_checkpoint
 from protocol.checksum import storage_checksum
 from protocol.devices import Placement
 from protocol.schemas.manifest import DaemonIdentity, DeviceKind
@@ -32,7 +32,7 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 def _assert_cuda_load_matches(path: Path, tp: int, rank: int) -> None:
     plan, want = reference_storages(path, tp, rank)
     with Checkpoint.open(path) as ckpt:
-        got = load_processed(ckpt, plan_model(ckpt, tp, rank), "cuda")
+        got = process_checkpoint(ckpt, plan_model(ckpt, tp, rank), "cuda")
     specs = {s.name: s for s in plan.specs}
     assert set(got) == set(want)
     for name, tensor in got.items():
@@ -101,7 +101,7 @@ def test_two_cuda_loads_at_once(tiny_fp8: Path, tiny_pc: Path) -> None:
 
     def load(i: int) -> None:
         with Checkpoint.open(paths[i]) as ckpt:
-            results[i] = load_processed(ckpt, plan_model(ckpt), "cuda")
+            results[i] = process_checkpoint(ckpt, plan_model(ckpt), "cuda")
 
     threads = [threading.Thread(target=load, args=(i,)) for i in range(2)]
     for t in threads:

@@ -38,7 +38,7 @@ def test_second_process_maps_the_daemons_cuda_arena(
 ) -> None:
     ckpt = tiny_fp8 if scheme == "fp8" else tiny_pc
     with InProcessDaemon(make_settings(tmp_path, [ckpt], device="cuda:0")) as served:
-        rank = served.daemon.models["tiny"].ranks[0]
+        rank = served.daemon.model("tiny").ranks[0]
         manifest = rank.manifest
         child = spawn_engine(served.url, ckpt)
         assert child.stdin is not None and child.stdout is not None
@@ -94,7 +94,7 @@ def test_unloading_frees_the_gpu_memory_engines_let_go(
     and exited, or one that refused the lease without opening it, must both hand their count
     back, or the daemon could never free the arena after an unload."""
     with InProcessDaemon(make_settings(tmp_path, [tiny_fp8], device="cuda:0")) as served:
-        arena_bytes = served.daemon.models["tiny"].bytes_resident
+        arena_bytes = served.daemon.model("tiny").bytes_resident
         loaded = torch.cuda.memory_allocated(0)
         if engine == "refused":
             out = subprocess.run(
@@ -159,7 +159,7 @@ def test_arenas_are_never_expandable_segments(tmp_path: Path, tiny_fp8: Path) ->
     torch.cuda.empty_cache()  # no cached plain block the arena could reuse
     try:
         with InProcessDaemon(make_settings(tmp_path, [tiny_fp8], device="cuda:0")) as served:
-            base = served.daemon.models["tiny"].ranks[0].arena.base.data_ptr()
+            base = served.daemon.model("tiny").ranks[0].arena.base.data_ptr()
             segments = [
                 s
                 for s in torch.cuda.memory._snapshot()["segments"]
@@ -202,7 +202,7 @@ def test_tp_ranks_on_their_gpus_found_by_uuid(tmp_path: Path, tiny_fp8: Path) ->
 
     settings = make_settings(tmp_path, [tiny_fp8], device="cuda", tp_size=2)
     with InProcessDaemon(settings) as served:
-        ranks = served.daemon.models["tiny"].ranks
+        ranks = served.daemon.model("tiny").ranks
         assert [r.arena.device.index for r in ranks] == [0, 1]
         assert [r.arena.device.uuid for r in ranks] == [cuda_uuid(0), cuda_uuid(1)]
         inventory = served.daemon.inventory()

@@ -12,7 +12,7 @@ import torch
 from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.checkpoint.opened import PathPolicy
-from modelopt_fp8.processing import load_processed, plan_model
+from modelopt_fp8.processing import plan_model, process_checkpoint
 from modelopt_fp8.processing.fp8 import FP8_DTYPE, dequantize_to_fp16, quantize_static
 from protocol.devices import Placement
 from protocol.schemas.manifest import DaemonIdentity, DeviceKind
@@ -72,7 +72,7 @@ def test_cuda_arena_holds_the_ordinary_load(
     try:
         with Checkpoint.open(path) as ckpt:
             plan = plan_model(ckpt)
-            expected = load_processed(ckpt, plan)
+            expected = process_checkpoint(ckpt, plan)
         specs = {s.name: s for s in plan.specs}
         for entry in rank.manifest.tensors:
             spec = specs[entry.name]
@@ -90,8 +90,8 @@ def test_scaled_mm_on_gpu_matches_the_emulation(tiny_any: Path) -> None:
     (relative norm); they differ only in the order of the float32 accumulation."""
     with Checkpoint.open(tiny_any) as ckpt:
         plan = plan_model(ckpt)
-        cpu = load_processed(ckpt, plan)
-        gpu = load_processed(ckpt, plan, "cuda")
+        cpu = process_checkpoint(ckpt, plan)
+        gpu = process_checkpoint(ckpt, plan, "cuda")
     assert len(plan.layouts) == 8
     for layout in plan.layouts:
         x = (torch.randn(16, layout.input_size) * 0.5).to(torch.bfloat16)

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import httpx
 
-from tests.daemon_process import lease_body, start_daemon, wait_for
+from tests.daemon_process import lease_body, start_daemon
 from tests.hostile.conftest import LIMITS, Hostile
 from tests.hostile.probe import HealthProbe
+from tests.waiting import wait_for
 
 
 def test_a_changed_arena_fails_its_model(hostile: Hostile) -> None:

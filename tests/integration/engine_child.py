@@ -19,8 +19,8 @@ import httpx
 import torch
 
 from engine_client.attach import attach
+from engine_client.checkpoint_read import attach_or_read
 from engine_client.client import ClientConfig
-from engine_client.loading import load_weights
 from engine_client.verify import Expectations
 from modelopt_fp8.checkpoint import IdentityTier
 from protocol.checksum import storage_checksum
@@ -38,7 +38,7 @@ def lease(url: str, model: str, ttl: float = 60.0) -> LeaseGrant:
 
 def engine_load(url: str, model: str, checkpoint: Path, tier: str) -> None:
     expect = Expectations.for_checkpoint(checkpoint, torch.device("cpu"), IdentityTier(tier))
-    result = load_weights(model, checkpoint, expect, config=ClientConfig(url=url))
+    result = attach_or_read(model, checkpoint, expect, config=ClientConfig(url=url))
     print(json.dumps({"source": result.source, "reason": result.reason}), flush=True)
     if result.attachment is not None:
         result.attachment.close()

@@ -12,9 +12,10 @@ from pathlib import Path
 import httpx
 
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import load_processed, plan_model
+from modelopt_fp8.processing import plan_model, process_checkpoint
 from protocol.checksum import storage_checksum
-from tests.daemon_process import DaemonProcess, lease_body, start_daemon, wait_for
+from tests.daemon_process import DaemonProcess, lease_body, start_daemon
+from tests.waiting import wait_for
 
 CHILD = [sys.executable, "-m", "tests.integration.engine_child"]
 
@@ -30,7 +31,7 @@ def ordinary_checksums(checkpoint: Path) -> dict[str, str]:
     """Every processed tensor's checksum from an ordinary load of ``checkpoint``."""
     with Checkpoint.open(checkpoint) as ckpt:
         plan = plan_model(ckpt)
-        loaded = load_processed(ckpt, plan)
+        loaded = process_checkpoint(ckpt, plan)
     return {s.name: storage_checksum(s.storage_of(loaded[s.name])) for s in plan.specs}
 
 
@@ -39,7 +40,7 @@ def test_second_process_reads_the_processed_bytes(
 ) -> None:
     seen = json.loads(run_child("read", daemon_process.url).stdout)["tensors"]
     with Checkpoint.open(tiny_fp8) as ckpt:
-        expected = load_processed(ckpt, plan_model(ckpt))
+        expected = process_checkpoint(ckpt, plan_model(ckpt))
     checksums = ordinary_checksums(tiny_fp8)
     assert set(seen) == set(expected)
     for name, tensor in expected.items():

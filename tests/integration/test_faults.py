@@ -12,14 +12,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine_client.attach import attach
+from engine_client.checkpoint_read import attach_or_read
 from engine_client.client import ClientConfig
-from engine_client.loading import load_weights
 from engine_client.verify import Expectations
 from protocol.errors import DaemonRestartedError
 from protocol.shm import map_read_only
 from service.demo import write_demo_checkpoint
 from service.memory.shm import arena_dir_path
-from tests.daemon_process import free_port, lease_body, start_daemon, wait_for
+from tests.daemon_process import free_port, lease_body, start_daemon
+from tests.waiting import wait_for
 
 CPU = torch.device("cpu")
 
@@ -92,14 +93,14 @@ def test_daemon_killed_and_restarted(tmp_path: Path, tiny_fp8: Path) -> None:
         assert torch.equal(att.tensors[weight], before)
         att.close()
         # With fallback allowed, the engine leases again from the new daemon.
-        again = load_weights("tiny", tiny_fp8, expect, config=config)
+        again = attach_or_read("tiny", tiny_fp8, expect, config=config)
         assert again.source == "daemon" and again.attachment is not None
         assert again.attachment.grant.lease.boot_id != att.grant.lease.boot_id
         again.attachment.close()
     finally:
         second.stop()
     # And with the daemon gone for good, it loads from disk and says why.
-    gone = load_weights("tiny", tiny_fp8, expect, config=ClientConfig(url=second.url, retries=0))
+    gone = attach_or_read("tiny", tiny_fp8, expect, config=ClientConfig(url=second.url, retries=0))
     assert gone.source == "disk" and gone.reason == "daemon_unavailable"
 
 

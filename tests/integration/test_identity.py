@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from service.demo import write_demo_checkpoint
-from tests.daemon_process import DaemonProcess, start_daemon, wait_for
+from tests.daemon_process import DaemonProcess, start_daemon
+from tests.waiting import wait_for
 
 CLI = [sys.executable, "-m", "weight_cache_cli"]
 CHILD = [sys.executable, "-m", "tests.integration.engine_child"]

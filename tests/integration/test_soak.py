@@ -14,6 +14,7 @@ import pytest
 
 from engine_client.client import ClientConfig, DaemonClient
 from tests.daemon_process import DaemonProcess, start_daemon
+from tests.waiting import wait_for
 
 CYCLES = 10_000
 PROCESSES = 4
@@ -45,8 +46,23 @@ def footprint(daemon: DaemonProcess) -> dict[str, int]:
     }
 
 
+def held_connections(port: int) -> int:
+    """TCP connections on ``port`` that a process still holds open (listening sockets, and
+    closed ones left to the kernel with no descriptor, do not count)."""
+    held = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local_port = int(fields[1].rsplit(":", 1)[1], 16)
+            if local_port == port and fields[3] != "0A" and fields[9] != "0":  # 0A: LISTEN
+                held += 1
+    return held
+
+
 def settle(daemon: DaemonProcess) -> dict[str, int]:
-    time.sleep(1.0)  # keep-alive connections of finished clients close on the server side
+    """The footprint once the server has closed the keep-alive connections of finished clients."""
+    port = int(daemon.url.rsplit(":", 1)[1])
+    wait_for(lambda: held_connections(port) == 0, timeout=30)
     return footprint(daemon)
 
 

@@ -10,7 +10,7 @@ from pydantic import SecretStr, ValidationError
 
 from engine_client.client import ClientConfig
 from protocol.errors import UnauthorizedError
-from protocol.tokens import read_token_file
+from protocol.tokens import choose_token, read_token_file, resolve_token
 from service.settings import DaemonSettings
 
 
@@ -68,4 +68,46 @@ def test_daemon_and_client_pick_the_same_token(
     given: dict[str, Any] = {"token_file": flag} if flag else {}  # as `serve` passes flags
     daemon = DaemonSettings(**given).token
     client = ClientConfig.from_env(str(flag) if flag else None).token
+    assert (daemon.get_secret_value() if daemon else None) == client
+
+
+@pytest.mark.parametrize(
+    ("given_value", "given_file", "environ", "expected"),
+    [
+        (None, None, {}, (None, None)),
+        (None, None, {"WEIGHT_CACHE_TOKEN": "ev"}, ("ev", None)),
+        (None, None, {"WEIGHT_CACHE_TOKEN": "ev", "WEIGHT_CACHE_TOKEN_FILE": "ef"}, (None, "ef")),
+        ("gv", None, {"WEIGHT_CACHE_TOKEN": "ev", "WEIGHT_CACHE_TOKEN_FILE": "ef"}, ("gv", None)),
+        ("gv", "gf", {"WEIGHT_CACHE_TOKEN_FILE": "ef"}, (None, "gf")),
+        (None, "gf", {"WEIGHT_CACHE_TOKEN": "ev"}, (None, "gf")),
+        ("", None, {"WEIGHT_CACHE_TOKEN": "ev", "WEIGHT_CACHE_TOKEN_FILE": ""}, ("ev", None)),
+    ],
+)
+def test_the_one_token_rule(given_value, given_file, environ, expected) -> None:
+    """Given beats the environment; within each, a file beats a value; empty is not given."""
+    assert choose_token(given_value, given_file, environ) == expected
+
+
+def test_resolve_reads_the_chosen_file_only(tmp_path: Path) -> None:
+    (tmp_path / "t").write_text("from-file\n")
+    environ = {"WEIGHT_CACHE_TOKEN_FILE": str(tmp_path / "missing")}
+    assert resolve_token("given", None, environ) == "given"  # the env file is never opened
+    assert resolve_token(None, tmp_path / "t", environ) == "from-file"
+
+
+@pytest.mark.parametrize("given_value", [None, "given-value"])
+@pytest.mark.parametrize("env_file", [False, True])
+@pytest.mark.parametrize("env_value", [None, "env-value"])
+def test_a_given_value_counts_the_same_on_both_sides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given_value, env_file, env_value
+) -> None:
+    """A value handed to the daemon's settings and to a client in code beats both variables."""
+    (tmp_path / "env").write_text("env-file\n")
+    if env_value:
+        monkeypatch.setenv("WEIGHT_CACHE_TOKEN", env_value)
+    if env_file:
+        monkeypatch.setenv("WEIGHT_CACHE_TOKEN_FILE", str(tmp_path / "env"))
+    given: dict[str, Any] = {"token": SecretStr(given_value)} if given_value else {}
+    daemon = DaemonSettings(**given).token
+    client = ClientConfig.from_env(token=given_value).token
     assert (daemon.get_secret_value() if daemon else None) == client

@@ -1,5 +1,6 @@
 """Settings as an operator gives them: environment variables named after the flags, sizes with
-units, unknown variables refused, and clients finding the daemon from the same variables."""
+units, unknown variables refused (clients finding the daemon from the same variables:
+tests/engine_client/test_client.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from engine_client.client import ClientConfig, daemon_url
 from modelopt_fp8.checkpoint.locate import locate_checkpoint
 from protocol.errors import CheckpointNotFoundError
 from service.settings import DaemonSettings, check_environment, env_names, known_variables
@@ -101,22 +101,6 @@ def test_every_variable_is_in_the_help_and_the_readme() -> None:
         assert name in attach_help
     assert set(known_variables()) <= readme_table, set(known_variables()) - readme_table
     assert readme_table <= set(known_variables()), readme_table - set(known_variables())
-
-
-def test_clients_find_the_daemon_from_its_variables(monkeypatch) -> None:
-    assert daemon_url({}) == "http://127.0.0.1:8470"
-    assert daemon_url({"WEIGHT_CACHE_PORT": "9001"}) == "http://127.0.0.1:9001"
-    assert daemon_url({"WEIGHT_CACHE_HOST": "0.0.0.0", "WEIGHT_CACHE_PORT": "9"}) == (
-        "http://127.0.0.1:9"
-    )
-    assert daemon_url({"WEIGHT_CACHE_HOST": "::1"}) == "http://[::1]:8470"
-    assert daemon_url({"WEIGHT_CACHE_URL": "http://h:1", "WEIGHT_CACHE_PORT": "9"}) == "http://h:1"
-    monkeypatch.setenv("WEIGHT_CACHE_PORT", "9002")
-    monkeypatch.setenv("WEIGHT_CACHE_UDS", "/run/wc.sock")
-    config = ClientConfig.from_env()
-    assert config.url == "http://127.0.0.1:9002" and config.uds == "/run/wc.sock"
-    explicit = ClientConfig.from_env(url="http://127.0.0.1:1")
-    assert explicit.url == "http://127.0.0.1:1" and explicit.uds is None  # a flag beats the env
 
 
 def hub_snapshot(hf_home: Path, repo_id: str, revision: str = "abc123") -> Path:

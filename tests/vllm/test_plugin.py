@@ -134,7 +134,7 @@ def test_without_the_daemon_it_delegates_to_vllms_default_loader(
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
 
-    from engine_client.loading import FALLBACKS
+    from engine_client.fallback import FALLBACKS
     from engine_client.vllm_plugin import register
 
     register()

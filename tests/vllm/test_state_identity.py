@@ -23,10 +23,11 @@ from torch.multiprocessing.spawn import start_processes
 
 from protocol.schemas.layout import CarriedKind
 from tests.conftest import FIXTURES
-from tests.daemon_process import DaemonProcess, free_port, start_daemon, wait_for
+from tests.daemon_process import DaemonProcess, free_port, start_daemon
 from tests.vllm.model_state import model_state
 from tests.vllm.variants import make_variant
 from tests.vllm.vllm_model import configs, cutlass_kernel_on_cpu, vllm_world
+from tests.waiting import wait_for
 
 EXPORTS = {
     "llama": "llama-fp8-kv",  # per-tensor FP8 with KV-cache scales

@@ -33,7 +33,7 @@ async def grant(body: LeaseRequest, daemon: DaemonDep) -> Response:
         media_type="application/json",
         headers={"Location": f"/v1/leases/{granted.lease.id}"},
     )
-    daemon.metrics.lease_seconds.observe(time.perf_counter() - start)
+    daemon.observe_grant_seconds(time.perf_counter() - start)
     return response
 
 

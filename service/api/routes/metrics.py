@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.api.problems import problem_responses
 from service.api.routes.deps import DaemonDep
@@ -18,4 +18,4 @@ router = APIRouter(tags=["metrics"], responses=problem_responses(401))
     responses={200: {"content": {"text/plain": {}}, "description": "Prometheus exposition"}},
 )
 async def metrics(daemon: DaemonDep) -> Response:
-    return Response(generate_latest(daemon.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(daemon.metrics_exposition(), media_type=CONTENT_TYPE_LATEST)

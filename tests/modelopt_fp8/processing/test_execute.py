@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.checkpoint.architecture import linear_specs
-from modelopt_fp8.processing import load_processed, plan_model
+from modelopt_fp8.processing import plan_model, process_checkpoint
 from modelopt_fp8.processing.cutlass import weight_storage_shape
 from modelopt_fp8.processing.execute import LinearOutputs, ShardData, process_linear
 from modelopt_fp8.processing.fp8 import FP8_DTYPE
@@ -36,7 +36,7 @@ def _bytes(t: torch.Tensor) -> bytes:
 def assert_identical_to_vllm(path: Path, tp: int, rank: int) -> None:
     with Checkpoint.open(path) as ckpt:
         plan = plan_model(ckpt, tp, rank)
-        ours = load_processed(ckpt, plan)
+        ours = process_checkpoint(ckpt, plan)
         full = all_tensors(path)
         kinds = {"qkv": "qkv", "merged_column": "merged", "row": "row"}
         for spec, layout in zip(linear_specs(ckpt.dims), plan.layouts, strict=True):
@@ -99,7 +99,7 @@ def test_hand_computed_unequal_qkv_scales(tiny_fp8: Path, copy_of) -> None:
     rewrite_tensors(path, set_qkv)
     with Checkpoint.open(path) as ckpt:
         plan = plan_model(ckpt)
-        out = load_processed(ckpt, plan)
+        out = process_checkpoint(ckpt, plan)
     layout = plan.layouts[0]
     assert layout.logical_widths == [64, 32, 32]
     w = out[layout.weight].float()  # [K_pad, N_pad] view
@@ -117,7 +117,7 @@ def test_hand_computed_padding(tiny_pc: Path) -> None:
     down: K = 84 pads to 96 with zero columns."""
     with Checkpoint.open(tiny_pc) as ckpt:
         plan = plan_model(ckpt)
-        out = load_processed(ckpt, plan)
+        out = process_checkpoint(ckpt, plan)
         gate = ckpt.read("model.layers.0.mlp.gate_proj.weight")
         up_scale = ckpt.read("model.layers.0.mlp.up_proj.weight_scale")
     gate_up = plan.layouts[2]
@@ -148,7 +148,7 @@ def test_hand_computed_tp_split(tiny_fp8: Path) -> None:
             qkv, down = plan.layouts[0], plan.layouts[3]
             assert qkv.logical_widths == [16, 16, 16]
             assert (down.input_size, down.padded_input_size) == (21, 32)
-            out = load_processed(ckpt, plan)
+            out = process_checkpoint(ckpt, plan)
             k_rows = out[qkv.weight][:, 16:32].t().float()
             a = "model.layers.0.self_attn"
             head = rank // 2

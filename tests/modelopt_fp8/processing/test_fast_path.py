@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.checkpoint.opened import PathPolicy
 from modelopt_fp8.processing import fill as fill_module
-from modelopt_fp8.processing import load_processed, plan_model
+from modelopt_fp8.processing import plan_model, process_checkpoint
 from modelopt_fp8.processing.execute import plan_jobs, requantize_maps
 from modelopt_fp8.processing.fill import run_jobs
 from modelopt_fp8.processing.fp8 import FP8_DTYPE, CodeMap, requantize_lut
@@ -49,7 +49,7 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 def assert_fast_matches_reference(path: Path, tp: int, rank: int) -> None:
     plan, want = reference_storages(path, tp, rank)
     with Checkpoint.open(path) as ckpt:
-        got = load_processed(ckpt, plan_model(ckpt, tp, rank))
+        got = process_checkpoint(ckpt, plan_model(ckpt, tp, rank))
     specs = {s.name: s for s in plan.specs}
     assert set(got) == set(want)
     for name, tensor in got.items():
@@ -280,7 +280,7 @@ def test_nan_in_a_requantized_shard_is_refused(tiny_fp8: Path, copy_of, device: 
         assert isinstance(qkv, RowFill)
         assert qkv.segments[2].source.code_map is not None
         with pytest.raises(CorruptFileError) as err:
-            load_processed(ckpt, plan_model(ckpt), device)
+            process_checkpoint(ckpt, plan_model(ckpt), device)
     assert err.value.extra["tensor"] == name
 
 
@@ -291,7 +291,7 @@ def test_file_truncated_after_opening_is_refused(tiny_pc: Path, copy_of) -> None
         file = path / "model.safetensors"
         os.truncate(file, file.stat().st_size - 100)
         with pytest.raises(CorruptFileError) as err:
-            load_processed(ckpt, plan)
+            process_checkpoint(ckpt, plan)
     assert "early" in err.value.detail
 
 

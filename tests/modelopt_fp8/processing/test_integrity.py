@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import load_processed, plan_model
+from modelopt_fp8.processing import plan_model, process_checkpoint
 from protocol.errors import CorruptFileError
 from tests.checkpoint_tools import rewrite_tensors
 
@@ -41,5 +41,5 @@ def test_corrupt_data_is_refused_at_load(
 
     rewrite_tensors(path, corrupt)
     with Checkpoint.open(path) as ckpt, pytest.raises(CorruptFileError) as err:
-        load_processed(ckpt, plan_model(ckpt), device)
+        process_checkpoint(ckpt, plan_model(ckpt), device)
     assert err.value.extra["tensor"] == tensor

@@ -6,19 +6,18 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import load_processed, plan_model
+from modelopt_fp8.processing import plan_model, process_checkpoint
 from protocol.schemas.leases import LeaseGrant
 from protocol.schemas.manifest import ShmHandle
 from protocol.shm import map_read_only
-from tests.daemon_process import wait_for
 from tests.service.api.conftest import Served
+from tests.waiting import wait_for
 
 
 def test_grant_returns_a_complete_manifest(served: Served, tiny_fp8: Path) -> None:
@@ -50,7 +49,7 @@ def test_leased_bytes_equal_an_ordinary_load(served: Served, tiny_fp8: Path) -> 
     assert isinstance(handle, ShmHandle)
     base = map_read_only(Path(handle.path), handle.size)
     with Checkpoint.open(tiny_fp8) as ckpt:
-        expected = load_processed(ckpt, plan_model(ckpt))
+        expected = process_checkpoint(ckpt, plan_model(ckpt))
     for entry in grant.full_manifest().tensors:
         got = entry.view(base)
         want = expected[entry.name]
@@ -71,7 +70,6 @@ def test_each_grant_gets_its_own_lease(served: Served) -> None:
 
 def test_renew_and_release(served: Served) -> None:
     lease = served.client.post("/v1/leases", json=served.lease_body(ttl_s=5)).json()["lease"]
-    time.sleep(0.05)
     renewed = served.client.post(f"/v1/leases/{lease['id']}/renew", json={"ttl_s": 20}).json()
     assert renewed["renewals"] == 1 and renewed["ttl_s"] == 20
     assert renewed["expires_at"] > lease["expires_at"]
@@ -100,7 +98,7 @@ def test_dead_client_is_reaped(served: Served) -> None:
             "/v1/leases", json=served.lease_body(client_pid=child.pid, ttl_s=600)
         ).json()["lease"]
         assert lease["pid_watched"]
-        time.sleep(0.2)
+        served.daemon.sweep()  # the reaper's sweep, run now rather than waited for
         assert len(served.client.get("/v1/leases").json()) == 1  # alive: kept
         child.send_signal(signal.SIGKILL)
         child.wait()
@@ -192,8 +190,8 @@ def test_rendered_grant_is_exactly_the_schemas_json(served: Served) -> None:
     from protocol.schemas.leases import LeaseRequest
 
     granted = served.daemon.grant(LeaseRequest.model_validate(served.lease_body()))
-    assert granted.render() == granted.model().model_dump_json().encode()
-    assert LeaseGrant.model_validate_json(granted.render()) == granted.model()
+    assert granted.render() == granted.as_schema().model_dump_json().encode()
+    assert LeaseGrant.model_validate_json(granted.render()) == granted.as_schema()
 
 
 def test_known_layout_skips_the_manifest(served: Served) -> None:

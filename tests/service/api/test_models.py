@@ -147,8 +147,7 @@ def test_unload_while_loading_cancels(serve, tiny_fp8: Path, held_load) -> None:
     served = serve(wait=False)
     assert served.client.delete("/v1/models/tiny").status_code == 204
     held_load.set()
-    for thread in served.daemon._threads:
-        thread.join(10)
+    served.daemon.models.join_loads(10)
     assert served.client.get("/v1/models").json() == []
     assert list(served.shm_dir.iterdir()) == []
 

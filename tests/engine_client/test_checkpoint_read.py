@@ -1,4 +1,4 @@
-"""The engine's load policy: attach when it can, otherwise load from disk with a stated,
+"""Attach or read: attach when it can, otherwise read the checkpoint itself with a stated,
 counted reason, or raise when fallback is off."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import httpx
 import pytest
 import torch
 
+from engine_client.checkpoint_read import attach_or_read, read_checkpoint
 from engine_client.client import ClientConfig
-from engine_client.loading import FALLBACKS, load_from_disk, load_weights
+from engine_client.fallback import FALLBACKS
 from engine_client.verify import Expectations
 from protocol.errors import DaemonUnavailableError
 from tests.daemon_process import free_port
@@ -21,7 +22,7 @@ CPU = torch.device("cpu")
 
 
 def test_attaches_when_the_daemon_has_the_model(daemon_process, tiny_fp8: Path) -> None:
-    result = load_weights(
+    result = attach_or_read(
         "tiny",
         tiny_fp8,
         Expectations.for_checkpoint(tiny_fp8, CPU),
@@ -36,18 +37,18 @@ def test_falls_back_with_a_reason_when_no_daemon(tiny_fp8: Path, caplog) -> None
     before = FALLBACKS["daemon_unavailable"]
     config = ClientConfig(url=f"http://127.0.0.1:{free_port()}", retries=0)
     with caplog.at_level(logging.WARNING):
-        result = load_weights(
+        result = attach_or_read(
             "tiny", tiny_fp8, Expectations.for_checkpoint(tiny_fp8, CPU), config=config
         )
     assert result.source == "disk" and result.reason == "daemon_unavailable"
     assert FALLBACKS["daemon_unavailable"] == before + 1
     assert "daemon_unavailable" in caplog.text
-    disk, layers = load_from_disk(tiny_fp8, CPU)
+    disk, layers = read_checkpoint(tiny_fp8, CPU)
     assert result.layers == layers and result.tensors.keys() == disk.keys()
 
 
 def test_verification_failure_is_the_stated_reason(daemon_process, tiny_fp8, tiny_pc) -> None:
-    result = load_weights(
+    result = attach_or_read(
         "tiny",
         tiny_pc,
         Expectations.for_checkpoint(tiny_pc, CPU),
@@ -60,7 +61,7 @@ def test_verification_failure_is_the_stated_reason(daemon_process, tiny_fp8, tin
 def test_no_fallback_raises(tiny_fp8: Path) -> None:
     config = ClientConfig(url=f"http://127.0.0.1:{free_port()}", retries=0)
     with pytest.raises(DaemonUnavailableError):
-        load_weights(
+        attach_or_read(
             "tiny",
             tiny_fp8,
             Expectations.for_checkpoint(tiny_fp8, CPU),
@@ -78,13 +79,13 @@ def test_waits_for_a_model_still_loading(tmp_path: Path, tiny_fp8: Path, held_lo
     with InProcessDaemon(settings) as served:
         config = ClientConfig(url=served.url)
         httpx.post(f"{served.url}/v1/models", json={"path": str(tiny_fp8), "id": "late"})
-        without_wait = load_weights(
+        without_wait = attach_or_read(
             "late", tiny_fp8, Expectations.for_checkpoint(tiny_fp8, CPU), config=config
         )
         assert without_wait.source == "disk" and without_wait.reason == "model_loading"
         threading.Timer(1.0, held_load.set).start()
-        with caplog.at_level(logging.INFO, logger="engine_client.loading"):
-            result = load_weights(
+        with caplog.at_level(logging.INFO, logger="engine_client.attach"):
+            result = attach_or_read(
                 "late",
                 tiny_fp8,
                 Expectations.for_checkpoint(tiny_fp8, CPU),

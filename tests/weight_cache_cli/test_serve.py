@@ -12,7 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.daemon_process import free_port, start_daemon, wait_for
+from tests.daemon_process import free_port, start_daemon
+from tests.waiting import wait_for
 
 CLI = [sys.executable, "-m", "weight_cache_cli"]
 

@@ -1,0 +1,43 @@
+"""How long a lease may last and how many may be held: a client cannot pin memory forever or
+exhaust the lease table, and one client process cannot take every lease from the others."""
+
+from __future__ import annotations
+
+from protocol.errors import InvalidRequestError, TooManyClientLeasesError, TooManyLeasesError
+from service.registry.leases import LeaseTable
+from service.settings import DaemonSettings
+
+
+class LeaseLimits:
+    """The TTL and count limits of the daemon's settings (read at each call: they may change)."""
+
+    def __init__(self, settings: DaemonSettings) -> None:
+        self.settings = settings
+
+    def ttl_for(self, asked_s: float | None) -> float:
+        """The TTL a grant gets: the asked one, else the default; above the maximum is refused."""
+        return self.checked_ttl(asked_s or self.settings.default_ttl_s)
+
+    def checked_ttl(self, ttl_s: float) -> float:
+        if ttl_s > self.settings.max_ttl_s:
+            raise InvalidRequestError(
+                f"ttl_s {ttl_s} exceeds this daemon's maximum of {self.settings.max_ttl_s}"
+            )
+        return ttl_s
+
+    def check_room(self, leases: LeaseTable, client_pid: int) -> None:
+        """Refuse one more lease past the daemon's cap or the client's (expired ones freed
+        first). Caller holds the daemon's lock."""
+        leases.expire(leases.now())
+        cap = self.settings.max_leases
+        if leases.count() >= cap:
+            raise TooManyLeasesError(
+                f"the daemon holds its maximum of {cap} active leases", limit=cap
+            )
+        cap = self.settings.max_leases_per_client
+        if leases.count_client(client_pid) >= cap:
+            raise TooManyClientLeasesError(
+                f"client process {client_pid} holds its maximum of {cap} active leases",
+                client_pid=client_pid,
+                limit=cap,
+            )

@@ -1,0 +1,239 @@
+"""The models the daemon holds: their records, the threads loading them, the memory budget their
+loads claim, and the startup models ``/ready`` waits for.
+
+It shares the daemon's lock: a grant, an unload and a finishing load decide under one lock, so
+an arena is never released while a lease on it is active, and a load that an unload overtook
+gives its arenas back instead of publishing them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from modelopt_fp8.checkpoint.opened import PathPolicy
+from protocol.errors import (
+    ArenaLostError,
+    InsufficientMemoryError,
+    InvalidRequestError,
+    ModelExistsError,
+    ModelNotFoundError,
+    WeightCacheError,
+)
+from protocol.schemas.manifest import CheckpointIdentity, DaemonIdentity
+from protocol.schemas.models import ModelState, default_model_id
+from service.logsafe import get_logger
+from service.memory.devices import resolve_placements
+from service.memory.shm import ArenaDir
+from service.registry.loader import LoadCancelled, LoadRequest, load_model
+from service.registry.models import ModelRecord
+from service.settings import DaemonSettings
+
+# The daemon's own lines (loads, failures) keep the logger name operators filter them by.
+log = get_logger("service.daemon")
+
+
+class ModelTable:
+    def __init__(
+        self,
+        settings: DaemonSettings,
+        lock: threading.RLock,
+        on_loaded: Callable[[float], None] = lambda seconds: None,
+    ) -> None:
+        self.settings = settings
+        self.lock = lock
+        self.on_loaded = on_loaded  # told each successful load's seconds (a histogram)
+        self.records: dict[str, ModelRecord] = {}
+        # Models asked for at start and not unloaded since: what /ready waits for.
+        self.startup: list[str] = []
+        # The first startup model that failed (unless keep_going), and who to tell: the CLI
+        # stops the server and exits non-zero.
+        self.startup_failure: tuple[str, WeightCacheError] | None = None
+        self.on_startup_failure: Callable[[], None] | None = None
+        self._threads: list[threading.Thread] = []
+        self._draining: set[ModelRecord] = set()  # unloaded while loading, thread still running
+
+    # --- records -------------------------------------------------------------------------------
+
+    def get(self, model_id: str) -> ModelRecord:
+        with self.lock:
+            record = self.records.get(model_id)
+        if record is None:
+            raise ModelNotFoundError(f"no model {model_id!r}", model=model_id)
+        return record
+
+    def remove(self, model_id: str) -> ModelRecord:
+        """Forget a model (caller holds the lock and checked its leases) and stop its load if one
+        runs; the caller releases its arenas, outside the lock."""
+        record = self.get(model_id)
+        del self.records[model_id]
+        if model_id in self.startup:  # unloaded on purpose: no longer awaited
+            self.startup.remove(model_id)
+        if record.state is ModelState.loading:
+            # Its thread is still allocating: its budget claim stands until it stops.
+            self._draining.add(record)
+            record.progress.cancelled.set()
+        return record
+
+    def release_all(self) -> None:
+        """Cancel every load, free every arena, and wait for the load threads (shutdown)."""
+        with self.lock:
+            for record in self.records.values():
+                record.progress.cancelled.set()
+                record.release()
+            self.records.clear()
+        self.join_loads(timeout=30)
+
+    def join_loads(self, timeout: float) -> None:
+        """Wait for the load threads started so far, each up to ``timeout`` seconds."""
+        for thread in list(self._threads):
+            thread.join(timeout=timeout)
+
+    def fail_lost_arenas(self, record: ModelRecord) -> None:
+        """Fail a ready model whose arena engines could no longer open (its shared-memory file
+        removed or replaced under the daemon), so that no grant names it. The model is not
+        rebuilt: an operator unloads and loads it again, or restarts the daemon. Its memory is
+        given back; engines that mapped it keep their pages. Caller holds the lock."""
+        if record.state is not ModelState.ready:
+            return
+        for rank in record.ranks:
+            why = rank.arena.lost()
+            if why is None:
+                continue
+            record.error = ArenaLostError(
+                f"the arena of rank {rank.manifest.tp_rank} is gone ({why}); unload the model "
+                "and load it again",
+                tp_rank=rank.manifest.tp_rank,
+            )
+            record.state = ModelState.failed
+            record.reserved_bytes = 0
+            record.release()
+            log.error("%s failed: %s", record.id, record.error)
+            return
+
+    # --- loads ---------------------------------------------------------------------------------
+
+    def start_load(
+        self,
+        path: Path,
+        model_id: str | None,
+        tp_size: int,
+        policy: PathPolicy,
+        arena_dir: ArenaDir | None,
+        daemon: DaemonIdentity,
+    ) -> ModelRecord:
+        """Register a model and load it in a worker thread (returns at once)."""
+        model_id = model_id or default_model_id(path)
+        try:
+            placements = resolve_placements(self.settings.device, tp_size)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), tp_size=tp_size) from exc
+        with self.lock:
+            if model_id in self.records:
+                taken = self.records[model_id]
+                raise ModelExistsError(
+                    f"model id {model_id!r} is taken ({taken.state.value}, from {taken.path}); "
+                    f"DELETE /v1/models/{model_id} to unload it first",
+                    model=model_id,
+                    state=taken.state.value,
+                )
+            record = ModelRecord(id=model_id, path=path, tp_size=tp_size)
+            self.records[model_id] = record
+        request = LoadRequest(
+            model_id=model_id,
+            path=path,
+            tp_size=tp_size,
+            placements=placements,
+            policy=policy,
+            arena_dir=arena_dir,
+            daemon=daemon,
+            reserve=lambda nbytes: self._reserve(record, nbytes),
+            opened=lambda ckpt: self._opened(record, ckpt),
+        )
+        thread = threading.Thread(
+            target=self._run_load, args=(record, request), name=f"load-{model_id}", daemon=True
+        )
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+        return record
+
+    def add_failed(self, model_id: str, path: Path, tp_size: int, exc: WeightCacheError) -> None:
+        """A startup model whose load could not even start: listed as failed, for /ready."""
+        record = ModelRecord(id=model_id, path=path, tp_size=tp_size)
+        with self.lock:
+            self.records[model_id] = record
+        self._load_failed(record, exc)
+
+    def _opened(self, record: ModelRecord, checkpoint: CheckpointIdentity) -> None:
+        with self.lock:
+            record.checkpoint = checkpoint
+
+    def _reserve(self, record: ModelRecord, nbytes: int) -> None:
+        """Claim budget for a load before it allocates, so concurrent loads cannot together
+        exceed it; the claim lasts as long as the record (a failed load gives it back)."""
+        budget = self.settings.memory_budget_bytes
+        with self.lock:
+            if budget is not None:
+                holders = [*self.records.values(), *self._draining]
+                claimed = sum(r.reserved_bytes for r in holders if r is not record)
+                if claimed + nbytes > budget:
+                    raise InsufficientMemoryError(
+                        f"model needs {nbytes} bytes but the memory budget has "
+                        f"{budget - claimed} left",
+                        needed=nbytes,
+                        available=budget - claimed,
+                    )
+            record.reserved_bytes = nbytes
+
+    def _run_load(self, record: ModelRecord, request: LoadRequest) -> None:
+        try:
+            self._load_into(record, request)
+        finally:
+            with self.lock:
+                self._draining.discard(record)
+
+    def _load_into(self, record: ModelRecord, request: LoadRequest) -> None:
+        log.info("loading %s from %s (tp_size %d)", record.id, record.path, record.tp_size)
+        try:
+            ranks = load_model(request, record.progress)
+        except LoadCancelled:
+            log.info("loading %s cancelled by an unload", record.id)
+            return
+        except WeightCacheError as exc:
+            self._load_failed(record, exc)
+            return
+        except Exception as exc:  # an unexpected bug must still leave the model 'failed'
+            log.exception("loading %s failed unexpectedly", record.id)
+            self._load_failed(record, WeightCacheError(f"{type(exc).__name__}: {exc}"))
+            return
+        with self.lock:
+            if record.progress.cancelled.is_set() or self.records.get(record.id) is not record:
+                for rank in ranks:
+                    rank.arena.release()
+                return
+            record.ranks = ranks
+            record.load_seconds = time.monotonic() - record.started_at
+            record.state = ModelState.ready
+        self.on_loaded(record.load_seconds)
+        log.info(
+            "%s ready: %d bytes in %.2f s", record.id, record.bytes_resident, record.load_seconds
+        )
+
+    def _load_failed(self, record: ModelRecord, exc: WeightCacheError) -> None:
+        with self.lock:
+            record.error = exc
+            record.state = ModelState.failed
+            record.reserved_bytes = 0
+            record.load_seconds = time.monotonic() - record.started_at
+            fatal = (
+                record.id in self.startup
+                and not self.settings.keep_going
+                and self.startup_failure is None
+            )
+            if fatal:
+                self.startup_failure = (record.id, exc)
+        log.error("loading %s failed: %s", record.id, exc.explain())
+        if fatal and self.on_startup_failure is not None:
+            self.on_startup_failure()
