@@ -17,6 +17,7 @@ import torch
 
 from modelopt_fp8.checkpoint.opened import CheckpointDir, PathPolicy
 from modelopt_fp8.checkpoint.safetensors_files import INDEX_FILE
+from modelopt_fp8.processing.pool import lower_priority
 from protocol.checksum import storage_checksum
 from protocol.errors import (
     ArenaCorruptedError,
@@ -213,6 +214,7 @@ class Daemon:
             record.reserved_bytes = nbytes
 
     def _load(self, record: ModelRecord, request: LoadRequest) -> None:
+        lower_priority()  # planning and hashing yield the CPU to requests, as the pool does
         try:
             self._load_into(record, request)
         finally:
