@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from engine_client.client import ClientConfig, DaemonClient
-from tests.daemon_process import DaemonProcess, start_daemon
+from tests.daemon_process import DaemonProcess, start_daemon, wait_for
 
 CYCLES = 10_000
 PROCESSES = 4
@@ -75,6 +75,10 @@ def test_soak_leaves_no_trace(tmp_path: Path, tiny_fp8: Path, capsys) -> None:
         assert [p.exitcode for p in procs] == [0] * PROCESSES
         elapsed = time.perf_counter() - start
         after = settle(daemon)
+        # Routes run in worker threads; those the burst added exit after 10 s idle (AnyIO
+        # prunes them on its next call, which each footprint's GET /v1/leases makes).
+        wait_for(lambda: footprint(daemon)["threads"] <= before["threads"], timeout=60)
+        after["threads"] = footprint(daemon)["threads"]
         metrics = httpx.get(f"{daemon.url}/metrics").text
     finally:
         daemon.stop()
