@@ -205,47 +205,65 @@ def deep_config(daemon: DaemonProcess, work: Path) -> tuple[int, int, str]:
     return 1, int(info["error"]["code"] == "invalid_config"), "invalid_config"
 
 
+def _swap_files(weights: Path, good: Path, target: Path, stop: Any) -> None:
+    """The attacker: swap ``weights`` between a hard link of the inside file and a symlink to
+    the outside one, as fast as it can, until ``stop`` is set."""
+    link = weights.with_name("swap.tmp")
+    for i in range(100_000_000):
+        if i % 256 == 0 and stop.is_set():
+            return
+        link.unlink(missing_ok=True)
+        link.symlink_to(target) if i % 2 else os.link(good, link)
+        os.replace(link, weights)
+
+
 def symlink_race(daemon: DaemonProcess, work: Path) -> tuple[int, int, str]:
+    """40 loads of a checkpoint whose weights an attacking process (a core of its own) keeps
+    swapping for a symlink out of the root; the loads are driven over one kept-alive client."""
     src = Path(daemon.models[0])  # type: ignore[attr-defined]
     inside = _checkpoint(work, src, "race")
     weights = inside / "model.safetensors"
     good = inside / "good.bin"
     os.link(weights, good)
-    expected = checkpoint_fingerprint(inside)
+    expected = checkpoint_fingerprint(inside).digest
     outside = work.parent / "outside-of-root"
     outside.mkdir(exist_ok=True)
     target = outside / "model.safetensors"
     shutil.copyfile(weights, target)
     rewrite_header(target, lambda h: h.update({"__metadata__": {"origin": "outside"}}))
-    stop = threading.Event()
-    link = inside / "swap.tmp"
-
-    def swap() -> None:
-        for i in range(10_000_000):
-            if stop.is_set():
-                return
-            link.unlink(missing_ok=True)
-            link.symlink_to(target) if i % 2 else os.link(good, link)
-            os.replace(link, weights)
-
-    thread = threading.Thread(target=swap, daemon=True)
-    thread.start()
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    attacker = ctx.Process(target=_swap_files, args=(weights, good, target, stop), daemon=True)
+    attacker.start()
     held = 0
+    outcomes: dict[str, int] = {}
     try:
-        for i in range(40):
-            r = httpx.post(f"{daemon.url}/v1/models", json={"path": str(inside), "id": f"r{i}"})
-            if r.status_code != 202:
-                held += r.json()["code"] == "path_not_allowed"
-                continue
-            while (info := httpx.get(f"{daemon.url}/v1/models/r{i}").json())["state"] == "loading":
-                time.sleep(0.01)
-            ok = info["state"] == "failed" and info["error"]["code"] == "path_not_allowed"
-            held += ok or info.get("fingerprint") == expected
-            httpx.delete(f"{daemon.url}/v1/models/r{i}")
+        with httpx.Client(base_url=daemon.url, timeout=60) as client:
+            for i in range(40):
+                r = client.post("/v1/models", json={"path": str(inside), "id": f"r{i}"})
+                if r.status_code != 202:
+                    outcome = f"refused {r.json()['code']}"
+                    held += r.json()["code"] == "path_not_allowed"
+                else:
+                    while (info := client.get(f"/v1/models/r{i}").json())["state"] == "loading":
+                        time.sleep(0.01)
+                    ok = info["state"] == "failed" and info["error"]["code"] == "path_not_allowed"
+                    inside_file = info.get("fingerprint") == expected
+                    held += ok or inside_file
+                    outcome = (
+                        f"failed {info['error']['code']}"
+                        if info["state"] == "failed"
+                        else ("loaded the inside file" if inside_file else "loaded ANOTHER file")
+                    )
+                    client.delete(f"/v1/models/r{i}")
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
     finally:
         stop.set()
-        thread.join(10)
-    return 40, held, "refused or loaded the inside file, never the outside one"
+        attacker.join(10)
+        if attacker.is_alive():
+            attacker.kill()
+    how = ", ".join(f"{n} {what}" for what, n in sorted(outcomes.items()))
+    return 40, held, f"refused or loaded the inside file, never the outside one ({how})"
 
 
 def leases_capped(daemon: DaemonProcess, work: Path) -> tuple[int, int, str]:

@@ -29,6 +29,7 @@ SETTINGS_FIELDS = (
     "memory_budget_bytes",
     "max_body_bytes",
     "load_threads",
+    "load_nice",
     "shm_group",
     "scrub_interval_s",
     "max_leases",

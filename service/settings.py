@@ -81,6 +81,12 @@ class DaemonSettings(BaseSettings):
     load_threads: int | None = Field(
         default=None, ge=1, description="threads that process a load (default: cores - 1)"
     )
+    load_nice: int = Field(
+        default=10,
+        ge=0,
+        le=19,
+        description="niceness the loading threads add to the daemon's (requests run first)",
+    )
     shm_group: str | None = Field(
         default=None,
         description="group that may map arenas (dir 0750, files 0640); default: owner only",

@@ -56,16 +56,21 @@ def _demo_checkpoint(cache_dir: Path) -> Path:
     return path
 
 
-def keep_responsive(load_threads: int | None) -> None:
+def keep_responsive(load_threads: int | None, load_nice: int = 0) -> None:
     """Loads run in a worker thread beside the event loop. Leave the loop a core (torch's
-    intra-op threads do the processing) and hand the GIL over more often than the default 5 ms,
-    so /health and leases answer promptly during a cold load."""
+    intra-op threads do the processing), run the loading threads at a lower CPU priority (the
+    kernel runs a request the moment it arrives, not when a load's time slice ends) and hand
+    the GIL over more often than the default 5 ms, so /health and leases answer promptly during
+    a cold load."""
     import sys
 
     import torch
 
+    from modelopt_fp8.processing.pool import set_loading_nice
+
     cores = os.cpu_count() or 1
     torch.set_num_threads(load_threads or max(1, cores - 1))
+    set_loading_nice(load_nice)
     sys.setswitchinterval(0.001)
 
 
@@ -296,6 +301,12 @@ def _settings_options(command: F) -> F:
             help=f"Threads that process a load [default: cores - 1; env: {_env('load_threads')}].",
         ),
         click.option(
+            "--load-nice",
+            type=click.IntRange(0, 19),
+            help="Niceness the loading threads add to the daemon's, so requests run first on a "
+            f"busy machine (0: same priority) [default: 10; env: {_env('load_nice')}].",
+        ),
+        click.option(
             "--shm-group",
             help="Group that may map CPU arenas (directory 0750, files 0640) [default: owner "
             f"only; env: {_env('shm_group')}].",
@@ -390,7 +401,7 @@ def _run(settings: DaemonSettings, listener: socket.socket) -> Daemon:
     from service.api.server import server_config
     from service.daemon import Daemon
 
-    keep_responsive(settings.load_threads)
+    keep_responsive(settings.load_threads, settings.load_nice)
     daemon = Daemon(settings)
     app = create_app(settings, daemon)
     # log_config=None and no log_level: uvicorn's loggers keep the handler and level that

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from modelopt_fp8.checkpoint.opened import PathPolicy
+from modelopt_fp8.processing.pool import lower_priority
 from protocol.errors import (
     ArenaLostError,
     InsufficientMemoryError,
@@ -188,6 +189,7 @@ class ModelTable:
             record.reserved_bytes = nbytes
 
     def _run_load(self, record: ModelRecord, request: LoadRequest) -> None:
+        lower_priority()  # planning and hashing yield the CPU to requests, as the pool does
         try:
             self._load_into(record, request)
         finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from protocol.schemas.health import Health, Readiness
 from service.api.routes.deps import DaemonDep
@@ -23,7 +24,7 @@ async def health(daemon: DaemonDep) -> Health:
     responses={503: {"model": Readiness, "description": "Still loading, or a model failed"}},
 )
 async def ready(daemon: DaemonDep) -> JSONResponse:
-    readiness = daemon.readiness()
+    readiness = await run_in_threadpool(daemon.readiness)  # stats every arena file: a thread
     return JSONResponse(
         readiness.model_dump(mode="json"), status_code=200 if readiness.ready else 503
     )

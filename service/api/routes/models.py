@@ -19,7 +19,7 @@ ModelId = Annotated[str, PathParam(pattern=MODEL_ID_PATTERN)]
 
 @router.get("", response_model=list[ModelInfo], summary="Every model and its state")
 async def list_models(daemon: DaemonDep) -> list[ModelInfo]:
-    return daemon.list_models()
+    return await run_in_threadpool(daemon.list_models)  # stats every arena file: a thread
 
 
 @router.post(
@@ -33,14 +33,14 @@ async def load_model(body: LoadModelRequest, response: Response, daemon: DaemonD
     # Opening and checking the directory is filesystem work: never on the event loop.
     record = await run_in_threadpool(daemon.load, Path(body.path), body.id, body.tp_size)
     response.headers["Location"] = f"/v1/models/{record.id}"
-    return daemon.model_info(record)
+    return await run_in_threadpool(daemon.model_info, record)
 
 
 @router.get(
     "/{model_id}", response_model=ModelInfo, summary="One model", responses=problem_responses(404)
 )
 async def get_model(model_id: ModelId, daemon: DaemonDep) -> ModelInfo:
-    return daemon.model_info(daemon.model(model_id))
+    return await run_in_threadpool(lambda: daemon.model_info(daemon.model(model_id)))
 
 
 @router.delete(
