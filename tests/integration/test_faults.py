@@ -171,6 +171,8 @@ def test_unload_racing_leases_never_frees_a_leased_arena(tmp_path: Path, tiny_fp
         assert counts["granted"] >= 50 and counts["unloaded"] >= 5 and counts["in_use"] >= 5, counts
         assert httpx.get(f"{url}/health").status_code == 200
         wait_for(lambda: httpx.get(f"{url}/v1/leases").json() == [])
+        # The last reload may still be loading (its arena made, not yet ready): let it finish.
+        wait_for(lambda: all(m["state"] != "loading" for m in httpx.get(f"{url}/v1/models").json()))
         models = httpx.get(f"{url}/v1/models").json()
         arenas = len(list(daemon.shm_dir.iterdir()))
         assert arenas == sum(1 for m in models if m["state"] == "ready")  # nothing leaked
