@@ -42,6 +42,7 @@ from modelopt_fp8.processing.source import SourceFiles
 from protocol.errors import CorruptFileError
 
 HOST_CHUNK_BYTES = 1 << 20  # read, checked, requantized, hashed and written while in cache
+IN_PLACE_CHUNK_BYTES = 4 << 20  # filled in a tensor (fewer, larger reads; no copy to keep in cache)
 
 
 class _Worker(threading.local):
@@ -126,15 +127,23 @@ def _fill_chunk(src: SourceFiles, fill: RowFill, start: int, buf: Bytes) -> None
 
 
 def _fill_rows(src: SourceFiles, fill: RowFill, sink: _HostSink, stop: threading.Event) -> str:
-    """Fill one storage; returns the xxh3 of its bytes."""
+    """Fill one storage; returns the xxh3 of its bytes. A tensor's chunks are filled in place
+    (the reads land in the tensor: no copy); an arena file's in the thread's chunk, then
+    written."""
     digest = xxhash.xxh3_64()
-    for start, end in chunk_rows(fill.rows, fill.row_bytes, HOST_CHUNK_BYTES):
+    in_place = sink.host is not None
+    chunk_bytes = IN_PLACE_CHUNK_BYTES if in_place else HOST_CHUNK_BYTES
+    for start, end in chunk_rows(fill.rows, fill.row_bytes, chunk_bytes):
         if stop.is_set():
             raise Stopped
-        buf = _worker.chunk_of((end - start) * fill.row_bytes)
+        first, nbytes = start * fill.row_bytes, (end - start) * fill.row_bytes
+        buf = (
+            sink.host[first : first + nbytes] if sink.host is not None else _worker.chunk_of(nbytes)
+        )
         _fill_chunk(src, fill, start, buf.reshape(end - start, fill.row_bytes))
         digest.update(buf.data)
-        sink.commit(buf, start * fill.row_bytes)
+        if not in_place:
+            sink.commit(buf, first)
     return digest.hexdigest()
 
 

@@ -119,6 +119,7 @@ def test_chunks_smaller_than_rows_and_segments(
 ) -> None:
     """Chunks that end inside a row, inside a shard, and between shards change nothing."""
     monkeypatch.setattr(fill_module, "HOST_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(fill_module, "IN_PLACE_CHUNK_BYTES", chunk)
     monkeypatch.setattr(CodeMap, "SLICE", 7)
     assert_fast_matches_reference(tiny_any, tp, rank)
 
