@@ -55,23 +55,20 @@ def test_status_finds_the_daemon_from_its_own_variables(daemon_process) -> None:
 
     port = daemon_process.url.rsplit(":", 1)[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHT_CACHE_")}
-    out = subprocess.run(
-        [*CLI, "status"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**env, "WEIGHT_CACHE_PORT": port},
-    )
+
+    def status(on_port: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*CLI, "status"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            env={**env, "WEIGHT_CACHE_PORT": on_port},
+        )
+
+    out = status(port)
     assert out.returncode == 0, out.stderr
     assert "tiny" in out.stdout and "ready" in out.stdout
-    out = subprocess.run(
-        [*CLI, "status"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**env, "WEIGHT_CACHE_PORT": str(free_port())},
-    )
+    out = status(str(free_port()))
     assert out.returncode == 1 and "[daemon_unavailable]" in out.stderr
     assert "--url / --uds (or WEIGHT_CACHE_URL" in out.stderr  # the CLI's own advice

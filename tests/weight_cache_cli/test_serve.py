@@ -3,11 +3,13 @@ with a non-zero status, logs in one format at one level, and ``--help`` needs no
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -140,6 +142,27 @@ def test_a_repo_id_and_a_relative_path_serve_as_absolute_paths(
         daemon.stop()
 
 
+@contextlib.contextmanager
+def serving(args: list[str], log: Path, port: int) -> Iterator[str]:
+    """``weight-cache serve`` with its output in ``log``, until it is ready; yields its URL."""
+    with log.open("w") as sink:
+        process = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{url}/ready").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(ready, timeout=60)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
 def test_log_level_and_json_format_govern_uvicorn_too(tmp_path: Path, tiny_fp8: Path) -> None:
     port = free_port()
     log = tmp_path / "log"
@@ -147,25 +170,11 @@ def test_log_level_and_json_format_govern_uvicorn_too(tmp_path: Path, tiny_fp8: 
         *CLI, "--log-level", "info", "--log-format", "json", "serve", "--model", str(tiny_fp8),
         "--model-id", "tiny", "--port", str(port), "--device", "cpu", "--shm-dir", str(tmp_path),
     ]  # fmt: skip
-    with log.open("w") as sink:
-        process = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-
-        def ready() -> bool:
-            try:
-                return httpx.get(f"{url}/ready").status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(ready, timeout=60)
+    with serving(args, log, port) as url:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:  # as sent
             raw.sendall(b"GET /v1/models/%1B[31mforged%07 HTTP/1.1\r\nHost: x\r\n\r\n")
             assert raw.recv(100).startswith(b"HTTP/1.1 422")
         assert httpx.post(f"{url}/v1/leases", content=b"x" * 100_000).status_code == 413
-    finally:
-        process.terminate()
-        process.wait(30)
     records = [json.loads(line) for line in log.read_text().splitlines()]
     loggers = {r["logger"] for r in records}
     assert "uvicorn.error" in loggers and "service.daemon" in loggers
@@ -185,21 +194,8 @@ def test_log_level_warning_silences_uvicorn_and_text_escapes_controls(
         *CLI, "--log-level", "warning", "serve", "--model", str(tiny_fp8), "--model-id", "tiny",
         "--port", str(port), "--device", "cpu", "--shm-dir", str(tmp_path),
     ]  # fmt: skip
-    with log.open("w") as sink:
-        process = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-
-        def ready() -> bool:
-            try:
-                return httpx.get(f"{url}/ready").status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(ready, timeout=60)
-    finally:
-        process.terminate()
-        process.wait(30)
+    with serving(args, log, port):
+        pass
     assert log.read_text() == ""  # no INFO line from anyone, uvicorn included
 
     import io
