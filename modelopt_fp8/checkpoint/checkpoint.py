@@ -22,7 +22,13 @@ import torch
 
 from modelopt_fp8.checkpoint.architecture import ModelDims, check_dims, read_dims
 from modelopt_fp8.checkpoint.fingerprint import checkpoint_digests, full_digest, identity_files
-from modelopt_fp8.checkpoint.opened import CheckpointDir, OpenedFile, PathPolicy, parse_json_object
+from modelopt_fp8.checkpoint.opened import (
+    CheckpointDir,
+    OpenedFile,
+    PathPolicy,
+    ReadFile,
+    parse_json_object,
+)
 from modelopt_fp8.checkpoint.quant_config import (
     HF_QUANT_CONFIG,
     MODEL_CONFIG,
@@ -64,6 +70,7 @@ class Checkpoint:
     files: list[Path]
     _reader: TensorReader = field(repr=False)
     _headers: dict[str, bytes] = field(repr=False)
+    _read_files: dict[str, ReadFile] = field(repr=False)  # configs and index, as read
 
     @classmethod
     def open(cls, path: str | Path, policy: PathPolicy | None = None) -> Checkpoint:
@@ -86,6 +93,7 @@ class Checkpoint:
             files, weight_map = weight_files(directory)
             tensors, headers = index_tensors(files, weight_map)
             check_dims(dims, {name: info.shape for name, info in tensors.items()}, source)
+            read_files = directory.read_files()
         except BaseException:
             for f in files:
                 f.close()
@@ -101,12 +109,15 @@ class Checkpoint:
             files=[f.path for f in files],
             _reader=TensorReader(tensors, files),
             _headers=headers,
+            _read_files=read_files,
         )
 
     @functools.cached_property
     def digests(self) -> CheckpointDigests:
         """Every identity tier but ``full`` (see :meth:`full_digest`), computed on first use."""
-        return checkpoint_digests(self.path, self.files, self._headers, self.descriptors())
+        return checkpoint_digests(
+            self.path, self.files, self._headers, self.descriptors(), self._read_files
+        )
 
     def descriptors(self) -> dict[str, int]:
         """Weight file name -> the descriptor it was opened and checked through (valid until
@@ -122,9 +133,13 @@ class Checkpoint:
         self, between: Callable[[], None] | None = None, executor: Executor | None = None
     ) -> str:
         """The ``full`` identity tier: a hash of every byte the checkpoint is read from (its
-        weight files through the descriptors they were checked through)."""
+        weight files through the descriptors they were checked through, its configs as read)."""
         return full_digest(
-            identity_files(self.path, self.files), between, self.descriptors(), executor
+            identity_files(self.path, self.files, self._read_files),
+            between,
+            self.descriptors(),
+            executor,
+            self._read_files,
         )
 
     def read(

@@ -27,14 +27,14 @@ import hashlib
 import json
 import mmap
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
 
-from modelopt_fp8.checkpoint.opened import CheckpointDir
+from modelopt_fp8.checkpoint.opened import CheckpointDir, ReadFile
 from modelopt_fp8.checkpoint.safetensors_files import INDEX_FILE, read_header, weight_files
 from protocol.errors import CorruptFileError
 from protocol.schemas.manifest import CheckpointDigests
@@ -80,19 +80,37 @@ def _frame(h: hashlib._Hash, name: str, data: bytes) -> None:
     h.update(name.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
 
 
-def identity_files(directory: Path, weights: Iterable[Path]) -> list[Path]:
-    """Every file a load reads: the configs, the shard index and the safetensors files."""
-    named = [directory / n for n in (*_CONFIG_FILES, INDEX_FILE) if (directory / n).is_file()]
+def identity_files(
+    directory: Path, weights: Iterable[Path], read: Mapping[str, ReadFile] | None = None
+) -> list[Path]:
+    """Every file a load reads: the configs, the shard index and the safetensors files
+    (``read``: the small files a load read, by name; without it, those present)."""
+    small = (*_CONFIG_FILES, INDEX_FILE)
+    if read is not None:
+        named = [directory / n for n in small if n in read]
+    else:
+        named = [directory / n for n in small if (directory / n).is_file()]
     return sorted({*named, *weights}, key=lambda p: p.name)
 
 
-def files_digest(files: Iterable[Path], opened: dict[str, int] | None = None) -> str:
+def files_digest(
+    files: Iterable[Path],
+    opened: dict[str, int] | None = None,
+    read: Mapping[str, ReadFile] | None = None,
+) -> str:
     """The ``files`` tier: sha256 over (name, st_dev, st_ino, size, mtime_ns) of every file
-    (``opened``: file name -> the descriptor to ``fstat`` instead of the name)."""
+    (``opened``: file name -> the descriptor to ``fstat`` instead of the name; ``read``: the
+    small files as read, with their ``fstat`` then)."""
     h = hashlib.sha256(_DOMAIN + b"files\0")
     for path in files:
         given = (opened or {}).get(path.name)
-        st = os.stat(path) if given is None else os.fstat(given)
+        kept = (read or {}).get(path.name)
+        if kept is not None:  # as the load read it
+            st = kept.stat
+        elif given is not None:
+            st = os.fstat(given)
+        else:
+            st = os.stat(path)
         fields = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         _frame(h, path.name, b"".join(v.to_bytes(16, "little", signed=True) for v in fields))
     return "sha256:" + h.hexdigest()
@@ -179,6 +197,7 @@ def sampled_digest(
     weights: list[Path],
     headers: dict[str, bytes],
     opened: dict[str, int] | None = None,
+    read: Mapping[str, ReadFile] | None = None,
 ) -> str:
     """The ``sampled`` tier: sha256 over the configs, each safetensors file's size and header,
     and every tensor's sample windows (``headers``: file name -> raw header bytes; ``opened``:
@@ -186,7 +205,11 @@ def sampled_digest(
     h = hashlib.sha256(_DOMAIN + b"sampled\0")
     for name in (*_CONFIG_FILES, INDEX_FILE):
         path = directory / name
-        _frame(h, name, path.read_bytes() if path.is_file() else b"")
+        if read is not None:  # the small files as a load read them, never the names again
+            kept = read.get(name)
+            _frame(h, name, kept.data if kept is not None else b"")
+        else:
+            _frame(h, name, path.read_bytes() if path.is_file() else b"")
     for path in sorted(weights, key=lambda p: p.name):
         _sample_file(h, path, headers[path.name], (opened or {}).get(path.name))
     return "sha256:" + h.hexdigest()
@@ -197,16 +220,18 @@ def full_digest(
     between: Callable[[], None] | None = None,
     opened: dict[str, int] | None = None,
     executor: Executor | None = None,
+    read: Mapping[str, ReadFile] | None = None,
 ) -> str:
     """The ``full`` tier: xxh3-128 over the xxh3-128 of every 64 MiB block of every file
     (names, sizes and the block size framed). The blocks are hashed in parallel (on
     ``executor``, else on a pool of this machine's cores), each straight from a read-only
-    mapping (no copy); ``opened`` (file name -> descriptor) is read instead of the name, so the
-    digest is of the files that were checked. ``between`` runs as blocks complete (a load
+    mapping (no copy); ``opened`` (file name -> descriptor) is read instead of the name, and
+    ``read`` (small files as read whole) hashed from memory, so the digest is of the files that
+    were checked. ``between`` runs as blocks complete (a load
     raises from it to stop hashing)."""
     paths = list(files)
     h = xxhash.xxh3_128(_DOMAIN + b"full\0" + FULL_BLOCK.to_bytes(8, "little"))
-    maps: list[mmap.mmap | None] = []
+    maps: list[mmap.mmap | bytes | None] = []
     framed: list[bytes] = []
     futures: list[list[Future[bytes]]] = []
     pool = executor or ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="full-digest")
@@ -214,13 +239,18 @@ def full_digest(
         with _typed(paths[0].parent if paths else Path(".")):
             for path in paths:
                 given = (opened or {}).get(path.name)
-                with _typed(path):
-                    fd = os.dup(given) if given is not None else os.open(path, os.O_RDONLY)
-                    try:
-                        size = os.fstat(fd).st_size
-                        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None
-                    finally:
-                        os.close(fd)  # the mapping keeps the file
+                kept = (read or {}).get(path.name)
+                mapped: mmap.mmap | bytes | None = None if kept is None else kept.data
+                if kept is None:
+                    with _typed(path):
+                        fd = os.dup(given) if given is not None else os.open(path, os.O_RDONLY)
+                        try:
+                            size = os.fstat(fd).st_size
+                            mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None
+                        finally:
+                            os.close(fd)  # the mapping keeps the file
+                else:
+                    size = len(kept.data)
                 maps.append(mapped)
                 framed.append(path.name.encode() + b"\0" + size.to_bytes(8, "little"))
                 futures.append(
@@ -240,14 +270,14 @@ def full_digest(
         pending = [f for blocks in futures for f in blocks if not f.cancel()]
         wait(pending)  # no block still reads a mapping when it closes
         for mapped in maps:
-            if mapped is not None:
+            if isinstance(mapped, mmap.mmap):
                 mapped.close()
         if executor is None:
             pool.shutdown()
     return "xxh3-128:" + h.hexdigest()
 
 
-def _block_digest(mapped: mmap.mmap, offset: int, nbytes: int) -> bytes:
+def _block_digest(mapped: mmap.mmap | bytes, offset: int, nbytes: int) -> bytes:
     view = memoryview(mapped)[offset : offset + nbytes]
     try:
         return xxhash.xxh3_128_digest(view)
@@ -260,13 +290,14 @@ def checkpoint_digests(
     weights: list[Path],
     headers: dict[str, bytes],
     opened: dict[str, int] | None = None,
+    read: Mapping[str, ReadFile] | None = None,
 ) -> CheckpointDigests:
     """The cheap tiers of ``directory`` (``full`` is left to whoever reads every byte)."""
-    files = identity_files(directory, weights)
+    files = identity_files(directory, weights, read)
     with _typed(directory):
         return CheckpointDigests(
-            files=files_digest(files, opened),
-            sampled=sampled_digest(directory, weights, headers, opened),
+            files=files_digest(files, opened, read),
+            sampled=sampled_digest(directory, weights, headers, opened, read),
             hf_blob=hf_blob_digest(files),
             full=None,
         )

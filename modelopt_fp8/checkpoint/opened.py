@@ -104,13 +104,24 @@ def os_refusal(exc: OSError, where: Path, policy: PathPolicy) -> WeightCacheErro
     )
 
 
+@dataclass(frozen=True)
+class ReadFile:
+    """A small file (a config, the shard index) as it was read whole, and its ``fstat`` then:
+    what the identity tiers hash, so they never open the name again."""
+
+    data: bytes
+    stat: os.stat_result
+
+
 class OpenedFile:
     """One regular file, opened once; read with :meth:`pread`/:meth:`readinto` only."""
 
-    def __init__(self, fd: int, path: Path, size: int) -> None:
+    def __init__(self, fd: int, path: Path, size: int, st: os.stat_result | None = None) -> None:
         self.fd = fd
         self.path = path  # as named in the checkpoint (for messages), not its symlink target
         self.size = size
+        self.stat = st if st is not None else os.fstat(fd)
+        self.read: ReadFile | None = None  # set by read_all
 
     @property
     def name(self) -> str:
@@ -145,7 +156,9 @@ class OpenedFile:
                 f"{self.size} bytes is more than the {limit}-byte limit for this file",
                 file=str(self.path),
             )
-        return self.pread(0, self.size)
+        data = self.pread(0, self.size)
+        self.read = ReadFile(data, self.stat)
+        return data
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -174,6 +187,11 @@ class CheckpointDir:
         self.path = path
         self.real = real
         self.policy = policy
+        self._opened: list[OpenedFile] = []
+
+    def read_files(self) -> dict[str, ReadFile]:
+        """Every file of this directory that was read whole (configs, the index), by name."""
+        return {f.name: f.read for f in self._opened if f.read is not None}
 
     @classmethod
     def open(cls, path: str | Path, policy: PathPolicy | None = None) -> CheckpointDir:
@@ -231,7 +249,9 @@ class CheckpointDir:
         except BaseException:
             os.close(fd)
             raise
-        return OpenedFile(fd, where, st.st_size)
+        opened = OpenedFile(fd, where, st.st_size, st)
+        self._opened.append(opened)
+        return opened
 
     def require_file(self, name: str, error: type[CheckpointError], detail: str) -> OpenedFile:
         opened = self.open_file(name)

@@ -219,3 +219,25 @@ def test_full_tier_stops_when_asked(tiny_fp8: Path, monkeypatch: pytest.MonkeyPa
     with Checkpoint.open(tiny_fp8) as ckpt, pytest.raises(Cancelled):
         ckpt.full_digest(between)
     assert calls == 3
+
+
+def test_digests_are_of_the_files_the_load_opened(tiny_fp8: Path, copy_of) -> None:
+    """Names swapped after the checkpoint was opened and checked (another config, a copy of a
+    weight file) change nothing in its digests: every tier reads what the load read, through
+    its descriptors or as read, never the names again."""
+    path = copy_of(tiny_fp8)
+    tiers = (IdentityTier.files, IdentityTier.sampled, IdentityTier.full)
+    before = {tier: digest(path, tier) for tier in tiers}
+    with Checkpoint.open(path) as ckpt:
+        config = json.loads((path / "config.json").read_text())
+        config["rope_theta"] = 1234.0
+        (path / "config.json.new").write_text(json.dumps(config))
+        os.replace(path / "config.json.new", path / "config.json")
+        shutil.copy(path / "model.safetensors", path / "model.safetensors.new")
+        os.replace(path / "model.safetensors.new", path / "model.safetensors")
+        assert ckpt.digests.files == before[IdentityTier.files]
+        assert ckpt.digests.sampled == before[IdentityTier.sampled]
+        assert ckpt.full_digest() == before[IdentityTier.full]
+    # What a fresh reader of the names now sees differs.
+    assert digest(path, IdentityTier.files) != before[IdentityTier.files]
+    assert digest(path, IdentityTier.sampled) != before[IdentityTier.sampled]
