@@ -41,12 +41,11 @@ from safetensors.torch import load_file
 
 from bench.common import CACHE, shm_scratch, warm_page_cache
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.checkpoint.opened import PathPolicy
 from modelopt_fp8.processing import ModelPlan, plan_model
 from modelopt_fp8.processing.execute import requantize_maps
 from protocol.devices import Placement
 from protocol.schemas.layout import Scheme
-from protocol.schemas.manifest import DaemonIdentity, DeviceKind
+from protocol.schemas.manifest import DeviceKind
 from service.demo import SHAPES, write_demo_checkpoint
 from service.memory.shm import ArenaDir
 from service.registry.loader import LoadRequest, Progress, ResidentRank, load_model
@@ -82,22 +81,7 @@ def daemon_load(path: Path, device: torch.device, shm: Path, model_id: str) -> l
         if device.type == "cuda"
         else Placement(DeviceKind.cpu)
     )
-    request = LoadRequest(
-        model_id=model_id,
-        path=path,
-        tp_size=1,
-        placements=[placement],
-        policy=PathPolicy(),
-        arena_dir=ArenaDir.prepare(shm),
-        reserve=lambda nbytes: None,
-        opened=lambda identity: None,
-        daemon=DaemonIdentity(
-            boot_id="bench",
-            protocol_version=1,
-            weight_cache_version="bench",
-            torch_version=torch.__version__,
-        ),
-    )
+    request = LoadRequest.unmanaged(model_id, path, [placement], ArenaDir.prepare(shm))
     return load_model(request, Progress())
 
 

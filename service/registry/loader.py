@@ -34,6 +34,7 @@ from protocol.schemas.manifest import (
     Manifest,
     TensorEntry,
 )
+from protocol.version import PROTOCOL_VERSION, __version__
 from service.memory.arena import Arena, ShmArena, allocate_arena
 from service.memory.layout import pack
 from service.memory.shm import ArenaDir
@@ -85,6 +86,33 @@ class LoadRequest:
     # Told what the checkpoint is as soon as it opened (engines match models by fingerprint),
     # and again with the full-tier digest once every byte was read.
     opened: Callable[[CheckpointIdentity], None]
+
+    @classmethod
+    def unmanaged(
+        cls,
+        model_id: str,
+        path: Path,
+        placements: list[Placement],
+        arena_dir: ArenaDir | None = None,
+    ) -> LoadRequest:
+        """A load outside a daemon (benchmarks, tests): one TP rank per placement, any path,
+        no budget, nobody told what opened, an identity of its own."""
+        return cls(
+            model_id=model_id,
+            path=path,
+            tp_size=len(placements),
+            placements=placements,
+            policy=PathPolicy(),
+            arena_dir=arena_dir,
+            daemon=DaemonIdentity(
+                boot_id="unmanaged",
+                protocol_version=PROTOCOL_VERSION,
+                weight_cache_version=__version__,
+                torch_version=torch.__version__,
+            ),
+            reserve=lambda nbytes: None,
+            opened=lambda identity: None,
+        )
 
 
 @contextlib.contextmanager

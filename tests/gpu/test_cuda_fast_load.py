@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.checkpoint.opened import PathPolicy
 from modelopt_fp8.processing import cuda_fill, plan_model, process_checkpoint
 from protocol.checksum import storage_checksum
 from protocol.devices import Placement
-from protocol.schemas.manifest import DaemonIdentity, DeviceKind
+from protocol.schemas.manifest import DeviceKind
 from service.memory.shm import ArenaDir
 from service.registry.loader import LoadRequest, Progress, load_model
 from tests.conftest import MODELOPT_EXPORTS
@@ -60,22 +59,9 @@ def test_small_staging_buffers_change_nothing(
 
 
 def _cuda_request(path: Path, shm: Path, tp: int) -> LoadRequest:
-    return LoadRequest(
-        model_id="m",
-        path=path,
-        tp_size=tp,
-        placements=[Placement(DeviceKind.cuda, 0)] * tp,  # every rank on GPU 0 is allowed here
-        policy=PathPolicy(),
-        arena_dir=ArenaDir.prepare(shm),
-        reserve=lambda nbytes: None,
-        opened=lambda ckpt: None,
-        daemon=DaemonIdentity(
-            boot_id="b",
-            protocol_version=1,
-            weight_cache_version="0",
-            torch_version=torch.__version__,
-        ),
-    )
+    # every rank on GPU 0 is allowed here
+    placements = [Placement(DeviceKind.cuda, 0)] * tp
+    return LoadRequest.unmanaged("m", path, placements, ArenaDir.prepare(shm))
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -11,11 +11,10 @@ import torch
 
 from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.checkpoint.opened import PathPolicy
 from modelopt_fp8.processing import plan_model, process_checkpoint
 from modelopt_fp8.processing.fp8 import FP8_DTYPE, dequantize_to_fp16, quantize_static
 from protocol.devices import Placement
-from protocol.schemas.manifest import DaemonIdentity, DeviceKind
+from protocol.schemas.manifest import DeviceKind
 from service.registry.loader import LoadRequest, Progress, load_model
 
 pytestmark = pytest.mark.gpu
@@ -52,22 +51,7 @@ def test_cuda_arena_holds_the_ordinary_load(
     tiny_fp8: Path, tiny_pc: Path, tmp_path: Path, scheme: str
 ) -> None:
     path = tiny_fp8 if scheme == "fp8" else tiny_pc
-    request = LoadRequest(
-        model_id="t",
-        path=path,
-        tp_size=1,
-        placements=[Placement(DeviceKind.cuda, 0)],
-        policy=PathPolicy(),
-        arena_dir=None,
-        reserve=lambda nbytes: None,
-        opened=lambda ckpt: None,
-        daemon=DaemonIdentity(
-            boot_id="b",
-            protocol_version=1,
-            weight_cache_version="0",
-            torch_version=torch.__version__,
-        ),
-    )
+    request = LoadRequest.unmanaged("t", path, [Placement(DeviceKind.cuda, 0)])
     (rank,) = load_model(request, Progress())
     try:
         with Checkpoint.open(path) as ckpt:

@@ -17,7 +17,6 @@ import torch
 from hypothesis import given, settings
 
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.checkpoint.opened import PathPolicy
 from modelopt_fp8.processing import fill as fill_module
 from modelopt_fp8.processing import plan_model, process_checkpoint
 from modelopt_fp8.processing.execute import plan_jobs, requantize_maps
@@ -31,7 +30,7 @@ from modelopt_fp8.processing.source import SourceFiles, read_into
 from protocol.checksum import storage_checksum
 from protocol.devices import Placement
 from protocol.errors import CorruptFileError
-from protocol.schemas.manifest import DaemonIdentity, DeviceKind
+from protocol.schemas.manifest import DeviceKind
 from service.demo import write_demo_checkpoint
 from service.memory.shm import ArenaDir
 from service.registry.loader import LoadRequest, Progress, load_model
@@ -59,19 +58,7 @@ def assert_fast_matches_reference(path: Path, tp: int, rank: int) -> None:
 
 
 def shm_request(path: Path, shm: Path, tp: int) -> LoadRequest:
-    return LoadRequest(
-        model_id="m",
-        path=path,
-        tp_size=tp,
-        placements=[Placement(DeviceKind.cpu)] * tp,
-        policy=PathPolicy(),
-        arena_dir=ArenaDir.prepare(shm),
-        reserve=lambda nbytes: None,
-        opened=lambda ckpt: None,
-        daemon=DaemonIdentity(
-            boot_id="b", protocol_version=1, weight_cache_version="0", torch_version="0"
-        ),
-    )
+    return LoadRequest.unmanaged("m", path, [Placement(DeviceKind.cpu)] * tp, ArenaDir.prepare(shm))
 
 
 def assert_arena_matches_reference(path: Path, shm: Path, tp: int) -> None:
