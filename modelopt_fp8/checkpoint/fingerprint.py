@@ -227,8 +227,8 @@ def full_digest(
     ``executor``, else on a pool of this machine's cores), each straight from a read-only
     mapping (no copy); ``opened`` (file name -> descriptor) is read instead of the name, and
     ``read`` (small files as read whole) hashed from memory, so the digest is of the files that
-    were checked. ``between`` runs as blocks complete (a load
-    raises from it to stop hashing)."""
+    were checked. ``between`` runs as blocks complete (a load raises from it to stop
+    hashing)."""
     paths = list(files)
     h = xxhash.xxh3_128(_DOMAIN + b"full\0" + FULL_BLOCK.to_bytes(8, "little"))
     maps: list[mmap.mmap | bytes | None] = []
@@ -236,36 +236,25 @@ def full_digest(
     futures: list[list[Future[bytes]]] = []
     pool = executor or ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="full-digest")
     try:
-        with _typed(paths[0].parent if paths else Path(".")):
-            for path in paths:
-                given = (opened or {}).get(path.name)
-                kept = (read or {}).get(path.name)
-                mapped: mmap.mmap | bytes | None = None if kept is None else kept.data
-                if kept is None:
-                    with _typed(path):
-                        fd = os.dup(given) if given is not None else os.open(path, os.O_RDONLY)
-                        try:
-                            size = os.fstat(fd).st_size
-                            mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None
-                        finally:
-                            os.close(fd)  # the mapping keeps the file
-                else:
-                    size = len(kept.data)
-                maps.append(mapped)
-                framed.append(path.name.encode() + b"\0" + size.to_bytes(8, "little"))
-                futures.append(
-                    [
-                        pool.submit(_block_digest, mapped, offset, min(FULL_BLOCK, size - offset))
-                        for offset in range(0, size, FULL_BLOCK)
-                        if mapped is not None
-                    ]
-                )
-            for frame, blocks in zip(framed, futures, strict=True):
-                h.update(frame)
-                for block in blocks:
-                    h.update(block.result())
-                    if between is not None:
-                        between()
+        for path in paths:
+            size, mapped = _contents(
+                path, (opened or {}).get(path.name), (read or {}).get(path.name)
+            )
+            maps.append(mapped)
+            framed.append(path.name.encode() + b"\0" + size.to_bytes(8, "little"))
+            futures.append(
+                [
+                    pool.submit(_block_digest, mapped, offset, min(FULL_BLOCK, size - offset))
+                    for offset in range(0, size, FULL_BLOCK)
+                    if mapped is not None
+                ]
+            )
+        for frame, blocks in zip(framed, futures, strict=True):
+            h.update(frame)
+            for block in blocks:
+                h.update(block.result())
+                if between is not None:
+                    between()
     finally:
         pending = [f for blocks in futures for f in blocks if not f.cancel()]
         wait(pending)  # no block still reads a mapping when it closes
@@ -275,6 +264,22 @@ def full_digest(
         if executor is None:
             pool.shutdown()
     return "xxh3-128:" + h.hexdigest()
+
+
+def _contents(
+    path: Path, opened: int | None, read: ReadFile | None
+) -> tuple[int, mmap.mmap | bytes | None]:
+    """A file's size and bytes: as read, or a read-only mapping (None when empty) of its
+    descriptor, or of its name when neither is given."""
+    if read is not None:
+        return len(read.data), read.data
+    with _typed(path):
+        fd = os.dup(opened) if opened is not None else os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            return size, mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None
+        finally:
+            os.close(fd)  # the mapping keeps the file
 
 
 def _block_digest(mapped: mmap.mmap | bytes, offset: int, nbytes: int) -> bytes:

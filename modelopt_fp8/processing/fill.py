@@ -131,18 +131,16 @@ def _fill_rows(src: SourceFiles, fill: RowFill, sink: _HostSink, stop: threading
     (the reads land in the tensor: no copy); an arena file's in the thread's chunk, then
     written."""
     digest = xxhash.xxh3_64()
-    in_place = sink.host is not None
-    chunk_bytes = IN_PLACE_CHUNK_BYTES if in_place else HOST_CHUNK_BYTES
+    host = sink.host  # a tensor's bytes: filled in place
+    chunk_bytes = HOST_CHUNK_BYTES if host is None else IN_PLACE_CHUNK_BYTES
     for start, end in chunk_rows(fill.rows, fill.row_bytes, chunk_bytes):
         if stop.is_set():
             raise Stopped
         first, nbytes = start * fill.row_bytes, (end - start) * fill.row_bytes
-        buf = (
-            sink.host[first : first + nbytes] if sink.host is not None else _worker.chunk_of(nbytes)
-        )
+        buf = _worker.chunk_of(nbytes) if host is None else host[first : first + nbytes]
         _fill_chunk(src, fill, start, buf.reshape(end - start, fill.row_bytes))
         digest.update(buf.data)
-        if not in_place:
+        if host is None:
             sink.commit(buf, first)
     return digest.hexdigest()
 
