@@ -239,7 +239,8 @@ def fill_on_gpu(
                     checksums[fill.spec.name] = checksum
             for name, flat in hashed_back:
                 checksums[name] = job.hash_back(flat)
-            job.raise_non_finite()  # its transfer waits for the stream
+            staging.drain()
+            job.raise_non_finite()
         finally:
             staging.drain()  # the pinned buffers are reused: their copies must end
     return checksums
