@@ -37,7 +37,7 @@ from service.metrics import Metrics, StateSnapshot
 from service.registry.compatibility import check_request_fits
 from service.registry.grant import Grant
 from service.registry.lease_limits import LeaseLimits
-from service.registry.leases import Lease, LeaseEnd, LeaseTable
+from service.registry.leases import Lease, LeaseEnd, LeaseTable, client_start
 from service.registry.model_table import ModelTable
 from service.registry.models import ModelRecord
 from service.registry.path_policy import allowed_checkpoint_path, api_load_policy
@@ -159,6 +159,7 @@ class Daemon:
     # --- leases --------------------------------------------------------------------------------
 
     def grant(self, req: LeaseRequest) -> Grant:
+        pid_start = client_start(req.client_pid)  # outside the lock: other grants go on
         with self.lock:
             record = self.models.get(req.model)
             self.models.fail_lost_arenas(record)
@@ -169,7 +170,13 @@ class Daemon:
             rank = record.ranks[req.tp_rank]
             handle = rank.arena.export()  # fresh for every lease
             lease = self.leases.add(
-                req.model, req.tp_rank, req.tp_size, req.client_pid, ttl, self.leases.now()
+                req.model,
+                req.tp_rank,
+                req.tp_size,
+                req.client_pid,
+                ttl,
+                self.leases.now(),
+                pid_start,
             )
             info = lease.info(self.boot_id)
         self.metrics.leases_granted.inc()

@@ -58,6 +58,14 @@ class Lease:
         )
 
 
+def client_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks), if ``/proc`` shows it: with the PID, what
+    tells this client from a later process that reuses its PID (procfs is memory, never a
+    disk or a FIFO)."""
+    started = process_start(pid)
+    return started[0] if started else None
+
+
 class LeaseTable:
     """Active leases and the recently ended ones. Callers hold the daemon lock.
 
@@ -81,10 +89,17 @@ class LeaseTable:
         self._by_pid: dict[int, set[str]] = {}
 
     def add(
-        self, model: str, tp_rank: int, tp_size: int, client_pid: int, ttl_s: float, now: float
+        self,
+        model: str,
+        tp_rank: int,
+        tp_size: int,
+        client_pid: int,
+        ttl_s: float,
+        now: float,
+        pid_start: int | None,
     ) -> Lease:
-        started = process_start(client_pid)  # procfs: memory, never a disk or a FIFO
-        pid_start = started[0] if started else None
+        """A lease for ``client_pid``, whose start time (:func:`client_start`) the caller read
+        before taking the daemon's lock: no grant waits on another's ``/proc`` read."""
         known = self._start_of(client_pid)
         if known is not None and pid_start is not None and known != pid_start:
             self.reap(client_pid, known)  # the PID was reused: its earlier process is gone

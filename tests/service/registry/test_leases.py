@@ -9,12 +9,17 @@ import sys
 import pytest
 
 from protocol.errors import DaemonRestartedError, LeaseExpiredError, LeaseNotFoundError
-from service.registry.leases import LeaseEnd, LeaseTable
+from service.registry.leases import Lease, LeaseEnd, LeaseTable, client_start
+
+
+def add(table: LeaseTable, pid: int, ttl_s: float, now: float) -> Lease:
+    """A lease of model "m", rank 0 of 1, for ``pid``, as a grant adds it."""
+    return table.add("m", 0, 1, pid, ttl_s=ttl_s, now=now, pid_start=client_start(pid))
 
 
 def test_expiry_and_renewal() -> None:
     table = LeaseTable("b00t")
-    lease = table.add("m", 0, 1, os.getpid(), ttl_s=10, now=100.0)
+    lease = add(table, os.getpid(), ttl_s=10, now=100.0)
     assert lease.id.startswith("b00t.") and lease.pid_start is not None
     assert table.sweep(105.0) == []
     table.renew(lease.id, None, now=105.0)
@@ -26,7 +31,7 @@ def test_expiry_and_renewal() -> None:
 
 def test_renew_past_expiry_before_the_sweep_is_refused() -> None:
     table = LeaseTable("b00t")
-    lease = table.add("m", 0, 1, os.getpid(), ttl_s=1, now=0.0)
+    lease = add(table, os.getpid(), ttl_s=1, now=0.0)
     with pytest.raises(LeaseExpiredError):
         table.renew(lease.id, None, now=2.0)
     assert table.count() == 0
@@ -34,7 +39,7 @@ def test_renew_past_expiry_before_the_sweep_is_refused() -> None:
 
 def test_reused_pid_does_not_keep_a_lease_alive() -> None:
     table = LeaseTable("b00t")
-    lease = table.add("m", 0, 1, os.getpid(), ttl_s=100, now=0.0)
+    lease = add(table, os.getpid(), ttl_s=100, now=0.0)
     assert lease.pid_start is not None
     lease.pid_start -= 1  # as if this PID now belonged to a younger process
     assert [how for _, how in table.sweep(1.0)] == [LeaseEnd.reaped]
@@ -43,7 +48,7 @@ def test_reused_pid_does_not_keep_a_lease_alive() -> None:
 def test_zombie_client_is_reaped() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     table = LeaseTable("b00t")
-    table.add("m", 0, 1, child.pid, ttl_s=100, now=0.0)
+    add(table, child.pid, ttl_s=100, now=0.0)
     # Wait for the exit without reaping it: the child stays a zombie, and kill(pid, 0) works.
     os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
     os.kill(child.pid, 0)
@@ -53,7 +58,7 @@ def test_zombie_client_is_reaped() -> None:
 
 def test_invisible_pid_relies_on_the_ttl() -> None:
     table = LeaseTable("b00t")
-    lease = table.add("m", 0, 1, 2**31 - 2, ttl_s=10, now=0.0)
+    lease = add(table, 2**31 - 2, ttl_s=10, now=0.0)
     assert lease.pid_start is None  # not watched: no reaping by PID
     assert table.sweep(5.0) == []
     assert [how for _, how in table.sweep(11.0)] == [LeaseEnd.expired]
@@ -61,7 +66,7 @@ def test_invisible_pid_relies_on_the_ttl() -> None:
 
 def test_unknown_released_and_foreign_leases() -> None:
     table = LeaseTable("b00t")
-    lease = table.add("m", 0, 1, os.getpid(), ttl_s=10, now=0.0)
+    lease = add(table, os.getpid(), ttl_s=10, now=0.0)
     table.end(lease.id, LeaseEnd.released)
     with pytest.raises(LeaseNotFoundError):
         table.get(lease.id, now=1.0)
@@ -71,7 +76,7 @@ def test_unknown_released_and_foreign_leases() -> None:
 
 def test_counts_and_expiry_stay_exact_under_churn() -> None:
     table = LeaseTable("b00t")
-    leases = [table.add("m", 0, 1, 4_000_000 + i % 3, ttl_s=10, now=0.0) for i in range(30)]
+    leases = [add(table, 4_000_000 + i % 3, ttl_s=10, now=0.0) for i in range(30)]
     assert table.count() == 30 and table.count("m") == 30 and table.count_client(4_000_000) == 10
     for step in range(1, 200):  # renewals leave stale heap entries behind
         table.renew(leases[0].id, None, now=step * 0.01)
