@@ -17,21 +17,18 @@ Each step mirrors vLLM 0.33 (file:line in the vLLM 0.33.0 wheel):
 How it runs: the ``[N_pad, K_pad]`` storage of a fused weight is its shards' rows one after
 another, so each layer becomes a list of row segments of checkpoint tensors (with the code map
 that requantizes each shard, where one is needed) and zeros around them; :mod:`.fill` carries
-them out on the shared loading pool. The in-memory ``process_linear`` does the same for shards
-already in tensors.
+them out on the shared loading pool (on the GPU, :mod:`.cuda_fill`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.processing.fill import run_jobs
 from modelopt_fp8.processing.fp8 import CodeMap, requantize_map
-from modelopt_fp8.processing.integrity import require_finite
 from modelopt_fp8.processing.plan import CarriedPlan, LinearPlan, ModelPlan, TensorSpec
 from modelopt_fp8.processing.rows import (
     Destination,
@@ -50,30 +47,6 @@ from protocol.schemas.layout import Scheme
 # Where each tensor's contiguous storage (shape ``spec.storage_shape``, dtype ``spec.dtype``) goes:
 # a tensor (host or GPU memory) or a byte range of an arena file.
 StorageFor = Callable[[TensorSpec], Destination]
-
-
-# --- in-memory processing of one layer ----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ShardData:
-    """One checkpoint shard's tensors, already cut to this rank's slice."""
-
-    weight: torch.Tensor  # [rows, K] e4m3 (or the model dtype when unquantized)
-    weight_scale: torch.Tensor | None = None  # 0-dim/[1] (FP8) or [rows] (per channel)
-    input_scale: torch.Tensor | None = None  # 0-dim/[1] (FP8 only)
-    bias: torch.Tensor | None = None  # [rows]
-
-
-@dataclass(frozen=True)
-class LinearOutputs:
-    """Where a processed layer goes: ``weight`` is the ``[N_pad, K_pad]`` row-major storage
-    behind the ``[K_pad, N_pad]`` view (``[N, K]`` when unquantized)."""
-
-    weight: torch.Tensor
-    weight_scale: torch.Tensor | None = None
-    input_scale: torch.Tensor | None = None
-    bias: torch.Tensor | None = None
 
 
 def _scalar(t: torch.Tensor | None) -> torch.Tensor:
@@ -102,34 +75,6 @@ def requantize_maps(
     return max_scale, maps
 
 
-def process_linear(scheme: Scheme, shards: Sequence[ShardData], out: LinearOutputs) -> None:
-    """Fuse, requantize and pad one layer's in-memory shards into CPU tensors ``out``."""
-    k = shards[0].weight.shape[1]
-    weight = out.weight
-    weight.view(torch.uint8).zero_()
-    maps: list[CodeMap | None] = [None] * len(shards)
-    if scheme is Scheme.fp8:
-        assert out.weight_scale is not None and out.input_scale is not None
-        max_scale, maps = requantize_maps([_scalar(s.weight_scale) for s in shards])
-        out.weight_scale.copy_(max_scale)
-        out.input_scale.copy_(torch.stack([_scalar(s.input_scale) for s in shards]).max())
-    elif scheme is Scheme.fp8_pc_pt:
-        assert out.weight_scale is not None
-        out.weight_scale.copy_(_channel_scales([s.weight_scale for s in shards], out.weight_scale))
-    row = 0
-    for shard, code_map in zip(shards, maps, strict=True):
-        rows = shard.weight.shape[0]
-        dst = weight[row : row + rows, :k]
-        if code_map is None:
-            dst.copy_(shard.weight)
-        else:
-            src = shard.weight.contiguous().view(torch.uint8).numpy()
-            code_map.apply(src, dst.view(torch.uint8).numpy())
-        row += rows
-    if out.bias is not None:
-        out.bias.copy_(torch.cat([s.bias for s in shards if s.bias is not None]))
-
-
 def _channel_scales(scales: Iterable[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
     """Per-channel scales of the fused rows, padded with 1.0 to the storage's length."""
     parts = [s.reshape(-1).to(torch.float32) for s in scales if s is not None]
@@ -137,40 +82,6 @@ def _channel_scales(scales: Iterable[torch.Tensor | None], like: torch.Tensor) -
     joined = torch.cat(parts)
     out[: joined.numel()] = joined
     return out
-
-
-def read_shards(
-    ckpt: Checkpoint, plan: LinearPlan, scales: dict[str, torch.Tensor]
-) -> list[ShardData]:
-    """This rank's slice of every shard of a planned layer, as tensors (through safetensors)."""
-    shards = []
-    for src in plan.shards:
-        sl = src.slice
-        weight_scale = scales[src.weight_scale] if src.weight_scale else None
-        if weight_scale is not None and weight_scale.numel() > 1:  # per channel: this rank's rows
-            weight_scale = weight_scale.reshape(-1)[sl.rows[0] : sl.rows[1]]
-        weight = _read_clean(ckpt, src.weight, rows=sl.rows, cols=sl.cols)
-        bias = _read_clean(ckpt, src.bias, rows=sl.rows) if src.bias else None
-        shards.append(
-            ShardData(
-                weight=weight,
-                weight_scale=weight_scale,
-                input_scale=scales[src.input_scale] if src.input_scale else None,
-                bias=bias,
-            )
-        )
-    return shards
-
-
-def _read_clean(
-    ckpt: Checkpoint,
-    name: str,
-    rows: tuple[int, int] | None = None,
-    cols: tuple[int, int] | None = None,
-) -> torch.Tensor:
-    tensor = ckpt.read(name, rows=rows, cols=cols)
-    require_finite(tensor, name, str(ckpt.tensors[name].file))
-    return tensor
 
 
 # --- what a load writes: row segments and small computed tensors --------------------------------

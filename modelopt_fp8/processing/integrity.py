@@ -20,7 +20,6 @@ import numpy.typing as npt
 import torch
 
 from modelopt_fp8.processing.fp8 import FP8_DTYPE
-from protocol.errors import CorruptFileError
 
 # dtype -> (signed view, unsigned view, all-ones exponent bits without the sign)
 _NON_FINITE_FROM: dict[
@@ -53,23 +52,12 @@ def has_non_finite(data: npt.NDArray[np.uint8], dtype: torch.dtype) -> bool:
     return int(flat.view(unsigned).max()) >= sign | exponent
 
 
-def require_finite(tensor: torch.Tensor, name: str, file: str) -> None:
-    """Refuse a CPU tensor holding a NaN or an infinity (an e4m3 NaN code for fp8)."""
-    if not checks_finite(tensor.dtype) or tensor.numel() == 0:
-        return
-    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-    if has_non_finite(data, tensor.dtype):
-        raise CorruptFileError("tensor data holds NaN or infinite values", file=file, tensor=name)
-
-
-# dtype -> (integer view of the same width, the bits without the sign, the all-ones exponent)
+# The same test on a device, with torch: an integer view of the data's width (uint8 for one byte,
+# whose & clears the sign), the bits without the sign, and the same all-ones exponents.
+_TORCH_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NON_FINITE_BITS: dict[torch.dtype, tuple[torch.dtype, int, int]] = {
-    FP8_DTYPE: (torch.uint8, 0x7F, 0x7F),
-    torch.float8_e5m2: (torch.uint8, 0x7F, 0x7C),
-    torch.float16: (torch.int16, 0x7FFF, 0x7C00),
-    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
-    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
-    torch.float64: (torch.int64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000),
+    dtype: (_TORCH_VIEW[dtype.itemsize], (1 << (8 * dtype.itemsize - 1)) - 1, exponent)
+    for dtype, (_, _, exponent) in _NON_FINITE_FROM.items()
 }
 
 

@@ -13,9 +13,9 @@ from torch.multiprocessing.spawn import start_processes
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.checkpoint.architecture import PACKED_MODULES, Parallelism, linear_specs
 from modelopt_fp8.processing import plan_model
-from modelopt_fp8.processing.execute import read_shards
 from tests.conftest import FIXTURES
 from tests.daemon_process import free_port
+from tests.reference_processing import read_shards
 from tests.vllm.vllm_model import build, configs, vllm_world
 
 VLLM_CLASSES = {

@@ -15,7 +15,6 @@ from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.checkpoint.architecture import linear_specs
 from modelopt_fp8.processing import plan_model, process_checkpoint
 from modelopt_fp8.processing.cutlass import weight_storage_shape
-from modelopt_fp8.processing.execute import LinearOutputs, ShardData, process_linear
 from modelopt_fp8.processing.fp8 import FP8_DTYPE
 from protocol.schemas.layout import (
     ActivationQuant,
@@ -26,6 +25,7 @@ from protocol.schemas.layout import (
 )
 from tests.checkpoint_tools import all_tensors, rewrite_tensors
 from tests.conftest import MODELOPT_EXPORTS
+from tests.reference_processing import LinearOutputs, ShardData, process_linear
 from tests.vllm_reference import vllm_linear
 
 
