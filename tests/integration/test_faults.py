@@ -141,6 +141,10 @@ def test_unload_racing_leases_never_frees_a_leased_arena(tmp_path: Path, tiny_fp
                 with lock:
                     counts["granted"] += 1
 
+    def ready_state(http: httpx.Client) -> str | None:
+        r = http.get("/v1/models/tiny")
+        return str(r.json()["state"]) if r.status_code == 200 else None
+
     def unloader() -> None:
         with httpx.Client(base_url=url, timeout=10) as http:
             while running():
@@ -156,6 +160,10 @@ def test_unload_racing_leases_never_frees_a_leased_arena(tmp_path: Path, tiny_fp
                     if r.status_code == 202:
                         with lock:
                             counts["reloaded"] += 1
+                        # Unload it again only once it is ready: unloading a model still
+                        # loading races no lease (and leaves leasers nothing to lease).
+                        while running() and ready_state(http) == "loading":
+                            time.sleep(0.005)
                 elif r.status_code not in (404, 409):
                     problems.append(f"unload: {r.status_code} {r.text[:200]}")
 
