@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # vLLM 0.33 (about 10 GB) lives outside the clone and is reused across runs and clones.
 VLLM_VENV ?= $(HOME)/.cache/weight-cache/vllm-0.33.0
 
-.PHONY: help run test test-vllm lint format openapi bench clean deploy-tools
+.PHONY: help run test test-vllm lint format openapi settings-table bench clean deploy-tools
 
 help:
 	@echo "make run     create .venv, install the daemon, start it on the built-in demo model"
@@ -19,6 +19,7 @@ help:
 	@echo "             (vLLM tests run in $(VLLM_VENV), created on first use)"
 	@echo "make lint    ruff and mypy only"
 	@echo "make openapi regenerate openapi.json from the app"
+	@echo "make settings-table  rewrite README.md's settings table from service/settings.py"
 	@echo "make bench   run the benchmarks in bench/"
 
 $(PY):
@@ -78,6 +79,9 @@ format: $(STAMP)
 
 openapi: $(STAMP)
 	$(VENV)/bin/weight-cache openapi > openapi.json
+
+settings-table: $(STAMP)
+	$(PY) -m weight_cache_cli.settings_table README.md
 
 bench: $(STAMP)
 	$(PY) -m bench.processing

@@ -1,80 +1,69 @@
-"""The ``WEIGHT_CACHE_*`` variable names, without pydantic: the settings build on them, and
-``--help`` names them without importing anything heavier than this."""
+"""The ``WEIGHT_CACHE_*`` variables: those the daemon's settings read (from
+:class:`service.settings.DaemonSettings` itself) and the few read elsewhere, and the rule that
+refuses any other, so a typo never passes silently."""
 
 from __future__ import annotations
 
 import difflib
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
-ENV_PREFIX = "WEIGHT_CACHE_"
+from service.setting import ENV_PREFIX, setting_of
+from service.settings import DaemonSettings
 
-# Every field of service.settings.DaemonSettings (a test keeps the two equal).
-SETTINGS_FIELDS = (
-    "host",
-    "port",
-    "uds",
-    "models",
-    "model_id",
-    "device",
-    "tp_size",
-    "token",
-    "token_file",
-    "allowed_roots",
-    "shm_dir",
-    "cache_dir",
-    "default_ttl_s",
-    "max_ttl_s",
-    "reaper_interval_s",
-    "memory_budget_bytes",
-    "max_body_bytes",
-    "load_threads",
-    "load_nice",
-    "shm_group",
-    "scrub_interval_s",
-    "max_leases",
-    "max_leases_per_client",
-    "max_connections",
-    "max_header_bytes",
-    "request_timeout_s",
-    "follow_symlinks",
-    "keep_going",
+
+@dataclass(frozen=True)
+class Variable:
+    """A variable read outside the daemon's settings, as the README's table lists it."""
+
+    name: str
+    flag: str  # the option it stands for, if any
+    default: str
+    help: str
+
+
+# Read by the ``weight-cache`` command itself (its --log-* options take them as their envvar),
+# by every client command and the engine loader (URL; the clients also read the daemon's HOST,
+# PORT, UDS, TOKEN and TOKEN_FILE), and by the benchmarks (BENCH_DIR).
+LOG_LEVEL = Variable(
+    f"{ENV_PREFIX}LOG_LEVEL",
+    "--log-level",
+    "INFO",
+    "Level of every log line, uvicorn's included",
 )
-
-# Fields whose variable is named after the flag rather than the field (preferred name first;
-# later names are older spellings, still read).
-ALIASES: dict[str, tuple[str, ...]] = {
-    "models": ("MODEL",),
-    "allowed_roots": ("ALLOWED_ROOT",),
-    "tp_size": ("TENSOR_PARALLEL_SIZE", "TP_SIZE"),
-    "memory_budget_bytes": ("MEMORY_BUDGET", "MEMORY_BUDGET_BYTES"),
-    "max_body_bytes": ("MAX_BODY_SIZE",),
-    "default_ttl_s": ("DEFAULT_TTL", "DEFAULT_TTL_S"),
-    "max_ttl_s": ("MAX_TTL", "MAX_TTL_S"),
-    "reaper_interval_s": ("REAPER_INTERVAL", "REAPER_INTERVAL_S"),
-    "scrub_interval_s": ("SCRUB_INTERVAL", "SCRUB_INTERVAL_S"),
-    "request_timeout_s": ("REQUEST_TIMEOUT", "REQUEST_TIMEOUT_S"),
-}
-
-# Variables read outside the daemon's settings: by every client command and the engine loader
-# (URL; the clients also read HOST, PORT, UDS, TOKEN and TOKEN_FILE), by the ``weight-cache``
-# command itself (LOG_*), and by the benchmarks (BENCH_DIR).
-OTHER_VARIABLES = {
-    f"{ENV_PREFIX}URL": "daemon URL for client commands and the engine (default: from HOST/PORT)",
-    f"{ENV_PREFIX}LOG_LEVEL": "--log-level",
-    f"{ENV_PREFIX}LOG_FORMAT": "--log-format",
-    f"{ENV_PREFIX}BENCH_DIR": "where the benchmarks write their demo checkpoints",
-}
+LOG_FORMAT = Variable(
+    f"{ENV_PREFIX}LOG_FORMAT",
+    "--log-format",
+    "text",
+    "text, or json (one object per line)",
+)
+OTHER_VARIABLES = (
+    LOG_LEVEL,
+    LOG_FORMAT,
+    Variable(
+        f"{ENV_PREFIX}URL",
+        "--url",
+        f"from {ENV_PREFIX}HOST/{ENV_PREFIX}PORT",
+        "Where client commands (status, attach) and the engine find the daemon",
+    ),
+    Variable(
+        f"{ENV_PREFIX}BENCH_DIR",
+        "",
+        "~/.cache/weight-cache/bench",
+        "Where the benchmarks write their demo checkpoints",
+    ),
+)
 
 
 def env_names(field: str) -> list[str]:
     """The environment variable(s) that set the daemon setting ``field``, preferred first."""
-    return [ENV_PREFIX + name for name in ALIASES.get(field, (field.upper(),))]
+    return list(setting_of(DaemonSettings.model_fields[field]).variables)
 
 
 def known_variables() -> list[str]:
-    names = [n for field in SETTINGS_FIELDS for n in env_names(field)]
-    return sorted({*names, *OTHER_VARIABLES})
+    names = [n for field in DaemonSettings.model_fields for n in env_names(field)]
+    return sorted({*names, *(v.name for v in OTHER_VARIABLES)})
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> None:

@@ -1,9 +1,23 @@
-"""Daemon configuration: ``WEIGHT_CACHE_*`` environment variables, overridden by CLI flags.
+"""Daemon configuration: one definition per setting, read from ``WEIGHT_CACHE_*`` variables and
+overridden by ``weight-cache serve``'s flags.
 
-Each option has one environment variable named after its flag (``--model`` is
-``WEIGHT_CACHE_MODEL``, ``--allowed-root`` is ``WEIGHT_CACHE_ALLOWED_ROOT``); options that take
-several values read them separated by ``:`` as ``PATH`` does. A ``WEIGHT_CACHE_*`` variable that
-names no option is refused with the closest name, so a typo never passes silently.
+Each field of :class:`DaemonSettings` is declared with :func:`service.setting.setting`, which
+carries its flag, its environment variable (named after the flag; older spellings still read),
+its help and its default. The command's options, the known-variable rules that refuse a typo
+and the README's settings table are all made from these fields; nothing else lists a setting.
+
+How to add a setting:
+
+1. Add a field to :class:`DaemonSettings` with ``setting(default, flag="--my-flag",
+   help="What it does", ...)``: ``ge``/``le`` and other :func:`pydantic.Field` keywords bound
+   it; ``older=("OLD_NAME",)`` keeps reading a renamed variable; ``shown="..."`` words a default
+   that reads better than its value; ``variable="NAME"`` instead of ``flag`` for one set in
+   the environment only. The variable is ``WEIGHT_CACHE_MY_FLAG``.
+2. Run ``make settings-table`` to rewrite the README's table (``tests/service/test_settings.py``
+   fails while it is stale).
+
+Options that take several values (``list`` fields) read them from their variable separated by
+``:``, as ``PATH`` does.
 """
 
 from __future__ import annotations
@@ -14,24 +28,18 @@ import re
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import AliasChoices, ByteSize, Field, SecretStr, field_validator, model_validator
+from pydantic import ByteSize, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from protocol.errors import UnauthorizedError
-from protocol.schemas.models import default_model_id
 from protocol.tokens import choose_token, read_token_file
 from protocol.version import DEFAULT_PORT
-from service.env import ENV_PREFIX, check_environment, env_names, known_variables
+from service.setting import ENV_PREFIX, setting
 
-__all__ = ["DEFAULT_PORT", "DaemonSettings", "check_environment", "env_names", "known_variables"]
+__all__ = ["DEFAULT_PORT", "DaemonSettings"]
 
 MIN_EXPOSED_TOKEN_CHARS = 16  # for a bind other than loopback or a Unix socket
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-
-
-def _env(field: str) -> AliasChoices:
-    """The environment variable(s) of a field whose name differs from its flag's."""
-    return AliasChoices(*env_names(field))
 
 
 def _split_paths(value: Any) -> Any:
@@ -46,78 +54,154 @@ class DaemonSettings(BaseSettings):
         env_prefix=ENV_PREFIX, extra="forbid", env_ignore_empty=True, populate_by_name=True
     )
 
-    host: str = "127.0.0.1"
-    port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
-    uds: Path | None = Field(default=None, description="serve on this Unix socket instead of TCP")
-    models: Annotated[list[Path], NoDecode] = Field(
+    models: Annotated[list[Path], NoDecode] = setting(
+        flag="--model",
         default_factory=list,
-        validation_alias=_env("models"),
-        description="checkpoints (directories or Hugging Face repo ids) to load at start",
+        help="Checkpoint directory, or a Hugging Face repo id already in the local HF cache "
+        "(HF_HOME / HF_HUB_CACHE), to load at start",
+        shown="the built-in demo model",
     )
-    model_id: str | None = Field(default=None, description="id for the first --model")
-    device: str = Field(default="auto", description="auto, cpu, cuda (rank r on GPU r) or cuda:N")
-    tp_size: int = Field(default=1, ge=1, le=64, validation_alias=_env("tp_size"))
-    token: SecretStr | None = None
-    token_file: Path | None = None
-    allowed_roots: Annotated[list[Path], NoDecode] = Field(
+    model_id: str | None = setting(
+        None, flag="--model-id", help="Id of the first --model", shown="its directory name"
+    )
+    host: str = setting("127.0.0.1", flag="--host", help="Address to bind")
+    port: int = setting(DEFAULT_PORT, flag="--port", help="TCP port", ge=0, le=65535)
+    uds: Path | None = setting(None, flag="--uds", help="Serve on this Unix socket instead of TCP")
+    device: str = setting(
+        "auto", flag="--device", help="auto, cpu, cuda (rank r on GPU r) or cuda:N"
+    )
+    tp_size: int = setting(
+        1,
+        flag="--tensor-parallel-size",
+        also=("--tp-size",),
+        older=("TP_SIZE",),
+        help="Tensor-parallel size of the --model loads",
+        ge=1,
+        le=64,
+    )
+    token: SecretStr | None = setting(
+        None, variable="TOKEN", help="The bearer token itself (a --token-file wins)"
+    )
+    token_file: Path | None = setting(
+        None,
+        flag="--token-file",
+        help="File holding the bearer token every route but /health and /ready needs",
+        checked_by_cli=True,
+    )
+    allowed_roots: Annotated[list[Path], NoDecode] = setting(
+        flag="--allowed-root",
         default_factory=list,
-        validation_alias=_env("allowed_roots"),
-        description="POST /v1/models may only load below these",
+        help="POST /v1/models may load checkpoints below this directory",
+        shown="none, API loads off",
     )
-    shm_dir: Path = Path("/dev/shm")
-    cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "weight-cache")
-    default_ttl_s: float = Field(default=60.0, gt=0, validation_alias=_env("default_ttl_s"))
-    max_ttl_s: float = Field(default=3600.0, gt=0, validation_alias=_env("max_ttl_s"))
-    reaper_interval_s: float = Field(default=1.0, gt=0, validation_alias=_env("reaper_interval_s"))
-    memory_budget_bytes: ByteSize | None = Field(
-        default=None,
+    shm_dir: Path = setting(
+        Path("/dev/shm"), flag="--shm-dir", help="Shared-memory arena directory"
+    )
+    cache_dir: Path = setting(
+        flag="--cache-dir",
+        default_factory=lambda: Path.home() / ".cache" / "weight-cache",
+        help="Where the demo checkpoint is written",
+        shown="~/.cache/weight-cache",
+    )
+    memory_budget_bytes: ByteSize | None = setting(
+        None,
+        flag="--memory-budget",
+        also=("--memory-budget-bytes",),
+        older=("MEMORY_BUDGET_BYTES",),
+        help="Most bytes the cache may hold: 40GiB, 512MB (10^6 bytes) or a byte count",
+        shown="unbounded",
         ge=0,
-        validation_alias=_env("memory_budget_bytes"),
-        description="most bytes the cache may hold: 40GiB, 512MB (10^6 bytes) or a byte count",
     )
-    max_body_bytes: ByteSize = Field(
-        default=ByteSize(64 * 1024), ge=1024, validation_alias=_env("max_body_bytes")
+    max_body_bytes: ByteSize = setting(
+        ByteSize(64 * 1024),
+        flag="--max-body-size",
+        help="Largest request body",
+        shown="64KiB",
+        ge=1024,
     )
-    load_threads: int | None = Field(
-        default=None, ge=1, description="threads that process a load (default: cores - 1)"
+    default_ttl_s: float = setting(
+        60.0,
+        flag="--default-ttl",
+        older=("DEFAULT_TTL_S",),
+        help="Lease TTL in seconds when a request names none",
+        gt=0,
     )
-    load_nice: int = Field(
-        default=10,
+    max_ttl_s: float = setting(
+        3600.0, flag="--max-ttl", older=("MAX_TTL_S",), help="Longest lease TTL in seconds", gt=0
+    )
+    reaper_interval_s: float = setting(
+        1.0,
+        flag="--reaper-interval",
+        older=("REAPER_INTERVAL_S",),
+        help="Seconds between sweeps for expired leases and dead clients",
+        gt=0,
+    )
+    load_threads: int | None = setting(
+        None,
+        flag="--load-threads",
+        help="Threads that process a load",
+        shown="cores - 1",
+        ge=1,
+    )
+    load_nice: int = setting(
+        10,
+        flag="--load-nice",
+        help="Niceness the loading threads add to the daemon's, so requests run first on a "
+        "busy machine (0: same priority)",
+        checked_by_cli=True,
         ge=0,
         le=19,
-        description="niceness the loading threads add to the daemon's (requests run first)",
     )
-    shm_group: str | None = Field(
-        default=None,
-        description="group that may map arenas (dir 0750, files 0640); default: owner only",
+    shm_group: str | None = setting(
+        None,
+        flag="--shm-group",
+        help="Group that may map CPU arenas (directory 0750, files 0640)",
+        shown="owner only",
     )
-    scrub_interval_s: float = Field(
-        default=0.0,
+    scrub_interval_s: float = setting(
+        0.0,
+        flag="--scrub-interval",
+        older=("SCRUB_INTERVAL_S",),
+        help="Re-check resident arenas against their checksums every N seconds",
+        shown="0, off",
         ge=0,
-        description="re-check resident arenas' checksums every N s (0: off)",
-        validation_alias=_env("scrub_interval_s"),
     )
-    max_leases: int = Field(default=4096, ge=1, description="active leases, all clients")
-    max_leases_per_client: int = Field(
-        default=256, ge=1, description="active leases of one client process"
+    max_leases: int = setting(4096, flag="--max-leases", help="Most active leases in all", ge=1)
+    max_leases_per_client: int = setting(
+        256, flag="--max-leases-per-client", help="Most active leases of one client PID", ge=1
     )
-    max_connections: int = Field(default=256, ge=1, description="open HTTP connections")
-    max_header_bytes: int = Field(
-        default=32 * 1024, ge=1024, description="request line and headers of one request"
+    max_connections: int = setting(
+        256,
+        flag="--max-connections",
+        help="Most open HTTP connections; more are answered 503",
+        ge=1,
     )
-    request_timeout_s: float = Field(
-        default=10.0,
+    max_header_bytes: int = setting(
+        32 * 1024,
+        flag="--max-header-bytes",
+        help="Largest request line and headers of one request",
+        ge=1024,
+    )
+    request_timeout_s: float = setting(
+        10.0,
+        flag="--request-timeout",
+        older=("REQUEST_TIMEOUT_S",),
+        help="Seconds a client has to send a whole request",
         gt=0,
-        description="time a client has to send a whole request",
-        validation_alias=_env("request_timeout_s"),
     )
-    follow_symlinks: bool = Field(
-        default=True,
-        description="API loads may name symlinked checkpoints/files (targets must stay below "
-        "an allowed root); false refuses them",
+    follow_symlinks: bool = setting(
+        True,
+        flag="--follow-symlinks",
+        help="Let API loads name symlinked checkpoints and files whose targets stay below an "
+        "allowed root",
+        shown="follow",
     )
-    keep_going: bool = Field(
-        default=False, description="keep serving when a startup model fails to load"
+    keep_going: bool = setting(
+        False,
+        flag="--keep-going",
+        help="Keep serving when a startup model fails to load, and report ready once every "
+        "startup model is ready or failed",
+        shown="exit with status 1",
     )
 
     def __init__(self, **values: Any) -> None:
@@ -161,6 +245,8 @@ class DaemonSettings(BaseSettings):
 
     def startup_models(self) -> list[tuple[Path, str]]:
         """(path, id) of every --model; the first takes --model-id. Ids must be unique."""
+        from protocol.schemas.models import default_model_id  # imports torch: not for --help
+
         pairs = [
             (path, self.model_id if i == 0 and self.model_id else default_model_id(path))
             for i, path in enumerate(self.models)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import click
 
 from protocol.version import __version__
-from service.env import check_environment
+from service.env import LOG_FORMAT, LOG_LEVEL, check_environment
 from service.logs import FORMATS, LEVELS, configure_logging
 from weight_cache_cli.attach import attach_command
 from weight_cache_cli.demo import demo_checkpoint
@@ -22,21 +22,21 @@ from weight_cache_cli.status import status
 @click.version_option(__version__, prog_name="weight-cache")
 @click.option(
     "--log-level",
-    envvar="WEIGHT_CACHE_LOG_LEVEL",
-    default="INFO",
+    envvar=LOG_LEVEL.name,
+    default=LOG_LEVEL.default,
     show_default=True,
     show_envvar=True,
     type=click.Choice(LEVELS, case_sensitive=False),
-    help="Level of every log line, uvicorn's included.",
+    help=f"{LOG_LEVEL.help}.",
 )
 @click.option(
     "--log-format",
-    envvar="WEIGHT_CACHE_LOG_FORMAT",
-    default="text",
+    envvar=LOG_FORMAT.name,
+    default=LOG_FORMAT.default,
     show_default=True,
     show_envvar=True,
     type=click.Choice(FORMATS, case_sensitive=False),
-    help="text, or json (one object per line).",
+    help=f"{LOG_FORMAT.help}.",
 )
 def cli(log_level: str, log_format: str) -> None:
     """Keep ModelOpt FP8 weights processed and resident; lend them to vLLM engines.

@@ -12,24 +12,19 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from protocol.version import DEFAULT_PORT
-from service.env import env_names
+from weight_cache_cli.settings_options import describe, environment_only, settings_options
 
-if TYPE_CHECKING:  # imported when the command runs: `--help` needs no pydantic
-    from pydantic import ValidationError
-
+if TYPE_CHECKING:  # imported when the command runs: `--help` needs neither torch nor FastAPI
     from service.daemon import Daemon
     from service.settings import DaemonSettings
 
 log = logging.getLogger(__name__)
 DEMO_MODEL_ID = "demo"
-F = TypeVar("F", bound=Callable[..., Any])
 
 EXIT_SETTINGS = 2  # a flag, variable, directory or checkpoint is wrong: fix the command
 EXIT_FAILED = 1  # the port is taken, or a startup model failed to load
@@ -39,10 +34,6 @@ class SettingsError(click.ClickException):
     """A bad setting: one line, exit status 2 (no usage text: the line says what to fix)."""
 
     exit_code = EXIT_SETTINGS
-
-
-def _env(field: str) -> str:
-    return " or ".join(env_names(field))
 
 
 def _demo_checkpoint(cache_dir: Path) -> Path:
@@ -72,39 +63,6 @@ def keep_responsive(load_threads: int | None, load_nice: int = 0) -> None:
     torch.set_num_threads(load_threads or max(1, cores - 1))
     set_loading_nice(load_nice)
     sys.setswitchinterval(0.001)
-
-
-def _flag_of(field: str) -> str:
-    flags = {
-        "models": "--model",
-        "allowed_roots": "--allowed-root",
-        "tp_size": "--tensor-parallel-size",
-        "memory_budget_bytes": "--memory-budget",
-        "max_body_bytes": "--max-body-size",
-        "default_ttl_s": "--default-ttl",
-        "max_ttl_s": "--max-ttl",
-        "reaper_interval_s": "--reaper-interval",
-        "token": "",
-    }
-    return flags.get(field, "--" + field.replace("_", "-"))
-
-
-def describe(exc: ValidationError) -> str:
-    """A settings error as one line naming the flag and variable to fix."""
-    from service.settings import DaemonSettings
-
-    by_env = {n: f for f in DaemonSettings.model_fields for n in env_names(f)}
-    parts = []
-    for error in exc.errors():
-        loc = str(error["loc"][0]) if error["loc"] else ""
-        field = by_env.get(loc.upper(), loc)
-        if field in DaemonSettings.model_fields:
-            names = " / ".join(n for n in (_flag_of(field), _env(field)) if n)
-        else:
-            names = loc or "settings"
-        message = str(error["msg"]).removeprefix("Value error, ")
-        parts.append(f"{names}: {message}" if loc else message)
-    return "; ".join(parts)
 
 
 def build_settings(**flags: Any) -> DaemonSettings:
@@ -202,173 +160,8 @@ def _startup_failure(daemon: Daemon) -> str:
     )
 
 
-def _settings_options(command: F) -> F:
-    """One option per setting, each naming its environment variable in its help."""
-    options = [
-        click.option(
-            "--model",
-            "models",
-            multiple=True,
-            help="Checkpoint directory, or a Hugging Face repo id already in the local HF cache "
-            "(HF_HOME / HF_HUB_CACHE), to load at start (repeatable; the variable takes a "
-            f"':'-separated list). Default: the built-in demo model. [env: {_env('models')}]",
-        ),
-        click.option(
-            "--model-id",
-            help=f"Id of the first --model [default: its directory name; env: {_env('model_id')}]",
-        ),
-        click.option("--host", help=f"Address to bind [default: 127.0.0.1; env: {_env('host')}]."),
-        click.option(
-            "--port", type=int, help=f"TCP port [default: {DEFAULT_PORT}; env: {_env('port')}]."
-        ),
-        click.option(
-            "--uds",
-            type=click.Path(path_type=Path),
-            help=f"Serve on this Unix socket instead of TCP [env: {_env('uds')}].",
-        ),
-        click.option(
-            "--device",
-            help="auto, cpu, cuda (rank r on GPU r) or cuda:N "
-            f"[default: auto; env: {_env('device')}].",
-        ),
-        click.option(
-            "--tensor-parallel-size",
-            "--tp-size",
-            "tp_size",
-            type=int,
-            help=f"Tensor-parallel size of the --model loads [default: 1; env: {_env('tp_size')}].",
-        ),
-        click.option(
-            "--token-file",
-            type=click.Path(path_type=Path, exists=True, dir_okay=False),
-            help="File holding the bearer token every route but /health and /ready needs "
-            f"[env: {_env('token_file')}; or the token itself in {_env('token')}; the file wins].",
-        ),
-        click.option(
-            "--allowed-root",
-            "allowed_roots",
-            multiple=True,
-            type=click.Path(path_type=Path),
-            help="POST /v1/models may load checkpoints below this directory (repeatable; "
-            f"':'-separated in the variable) [env: {_env('allowed_roots')}].",
-        ),
-        click.option(
-            "--shm-dir",
-            type=click.Path(path_type=Path),
-            help=f"Shared-memory arena directory [default: /dev/shm; env: {_env('shm_dir')}].",
-        ),
-        click.option(
-            "--cache-dir",
-            type=click.Path(path_type=Path),
-            help="Where the demo checkpoint is written [default: ~/.cache/weight-cache; "
-            f"env: {_env('cache_dir')}].",
-        ),
-        click.option(
-            "--memory-budget",
-            "--memory-budget-bytes",
-            "memory_budget_bytes",
-            help="Most bytes the cache may hold: 40GiB, 512MB (10^6 bytes) or a byte count "
-            f"[default: unbounded; env: {_env('memory_budget_bytes')}].",
-        ),
-        click.option(
-            "--max-body-size",
-            "max_body_bytes",
-            help=f"Largest request body [default: 64KiB; env: {_env('max_body_bytes')}].",
-        ),
-        click.option(
-            "--default-ttl",
-            "default_ttl_s",
-            type=float,
-            help=f"Lease TTL in seconds when a request names none [default: 60; "
-            f"env: {_env('default_ttl_s')}].",
-        ),
-        click.option(
-            "--max-ttl",
-            "max_ttl_s",
-            type=float,
-            help=f"Longest lease TTL in seconds [default: 3600; env: {_env('max_ttl_s')}].",
-        ),
-        click.option(
-            "--reaper-interval",
-            "reaper_interval_s",
-            type=float,
-            help="Seconds between sweeps for expired leases and dead clients [default: 1; "
-            f"env: {_env('reaper_interval_s')}].",
-        ),
-        click.option(
-            "--load-threads",
-            type=int,
-            help=f"Threads that process a load [default: cores - 1; env: {_env('load_threads')}].",
-        ),
-        click.option(
-            "--load-nice",
-            type=click.IntRange(0, 19),
-            help="Niceness the loading threads add to the daemon's, so requests run first on a "
-            f"busy machine (0: same priority) [default: 10; env: {_env('load_nice')}].",
-        ),
-        click.option(
-            "--shm-group",
-            help="Group that may map CPU arenas (directory 0750, files 0640) [default: owner "
-            f"only; env: {_env('shm_group')}].",
-        ),
-        click.option(
-            "--scrub-interval",
-            "scrub_interval_s",
-            type=float,
-            help="Re-check resident arenas against their checksums every N seconds [default: 0, "
-            f"off; env: {_env('scrub_interval_s')}].",
-        ),
-        click.option(
-            "--max-leases",
-            type=int,
-            help=f"Most active leases in all [default: 4096; env: {_env('max_leases')}].",
-        ),
-        click.option(
-            "--max-leases-per-client",
-            type=int,
-            help="Most active leases of one client PID [default: 256; "
-            f"env: {_env('max_leases_per_client')}].",
-        ),
-        click.option(
-            "--max-connections",
-            type=int,
-            help="Most open HTTP connections; more are answered 503 [default: 256; "
-            f"env: {_env('max_connections')}].",
-        ),
-        click.option(
-            "--max-header-bytes",
-            type=int,
-            help="Largest request line and headers of one request [default: 32768; "
-            f"env: {_env('max_header_bytes')}].",
-        ),
-        click.option(
-            "--request-timeout",
-            "request_timeout_s",
-            type=float,
-            help="Seconds a client has to send a whole request [default: 10; "
-            f"env: {_env('request_timeout_s')}].",
-        ),
-        click.option(
-            "--follow-symlinks/--no-follow-symlinks",
-            default=None,
-            help="Let API loads name symlinked checkpoints and files whose targets stay below an "
-            f"allowed root [default: follow; env: {_env('follow_symlinks')}].",
-        ),
-        click.option(
-            "--keep-going/--no-keep-going",
-            default=None,
-            help="Keep serving when a startup model fails to load, and report ready once every "
-            "startup model is ready or failed [default: exit with status 1; "
-            f"env: {_env('keep_going')}].",
-        ),
-    ]
-    for option in reversed(options):
-        command = option(command)
-    return command
-
-
-@click.command("serve")
-@_settings_options
+@click.command("serve", epilog=environment_only())
+@settings_options
 def serve(**flags: Any) -> None:
     """Run the daemon: bind, load the models, serve health, inventory and leases.
 

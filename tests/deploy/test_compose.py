@@ -69,7 +69,7 @@ def test_daemon_service(compose: dict[str, Any]) -> None:
         }
     ]
     # every variable the daemon is given is one it knows (an unknown one stops it)
-    from service.settings import check_environment
+    from service.env import check_environment
 
     check_environment(daemon["environment"])
     assert daemon["ipc"] == "shareable"

@@ -12,9 +12,12 @@ from click.testing import CliRunner
 
 from modelopt_fp8.checkpoint.locate import locate_checkpoint
 from protocol.errors import CheckpointNotFoundError
-from service.settings import DaemonSettings, check_environment, env_names, known_variables
+from service.env import check_environment, env_names, known_variables
+from service.setting import setting_of
+from service.settings import DaemonSettings
 from weight_cache_cli import cli
 from weight_cache_cli.serve import SettingsError, build_settings
+from weight_cache_cli.settings_table import with_table
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -136,17 +139,34 @@ def test_paths_are_made_absolute(monkeypatch, tmp_path: Path, tiny_fp8: Path) ->
         build_settings(models=("./nope",))
 
 
-def test_the_help_names_the_variables_pydantic_reads() -> None:
-    """``--help`` takes names from service.env without pydantic; the settings read the same."""
-    from pydantic import AliasChoices
+def test_the_readme_table_is_the_one_the_settings_make() -> None:
+    """Run `make settings-table` when this fails: the README's table is made from the model."""
+    readme = README.read_text()
+    assert with_table(readme) == readme
 
-    from service.env import ALIASES
 
-    for field, info in DaemonSettings.model_fields.items():
-        if isinstance(info.validation_alias, AliasChoices):
-            assert list(info.validation_alias.choices) == env_names(field)
-        else:
-            assert field not in ALIASES and env_names(field) == [f"WEIGHT_CACHE_{field.upper()}"]
-    from service.env import SETTINGS_FIELDS
+def _another_value(field: str) -> str | None:
+    """A valid value for ``field`` other than its default (None: not a plain scalar)."""
+    info = DaemonSettings.model_fields[field]
+    default = info.get_default(call_default_factory=True)
+    if field == "device":
+        return "cpu"
+    if info.annotation is bool:
+        return str(not default).lower()
+    if info.annotation in (int, float):
+        return str(default + 1)
+    if info.annotation is str:
+        return "0.0.0.0"
+    return None  # paths, sizes, tokens: read as the tests above read them
 
-    assert tuple(DaemonSettings.model_fields) == SETTINGS_FIELDS
+
+@pytest.mark.parametrize(
+    "field", [f for f in DaemonSettings.model_fields if _another_value(f) is not None]
+)
+def test_every_variable_of_a_setting_sets_it(monkeypatch, field: str) -> None:
+    """Each variable the options' help names is one pydantic reads, older spellings included."""
+    value = str(_another_value(field))
+    for name in setting_of(DaemonSettings.model_fields[field]).variables:
+        monkeypatch.setenv(name, value)
+        assert str(getattr(DaemonSettings(), field)).lower() in (value, f"{value}.0")
+        monkeypatch.delenv(name)

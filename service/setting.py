@@ -1,0 +1,91 @@
+"""How an operator gives one daemon setting: its flag, its environment variables, how its
+default reads. :func:`setting` declares a field of :class:`service.settings.DaemonSettings`
+together with these, so that the model is the one place a setting is defined; the command's
+options (``weight_cache_cli/settings_options.py``), the environment rules (``service/env.py``)
+and the README's table (``weight_cache_cli/settings_table.py``) are made from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pydantic import AliasChoices, Field
+from pydantic_core import PydanticUndefined
+
+if TYPE_CHECKING:
+    from pydantic.config import JsonDict
+    from pydantic.fields import FieldInfo
+
+ENV_PREFIX = "WEIGHT_CACHE_"
+
+
+def variable_of(flag: str) -> str:
+    """The variable named after a flag: ``--max-ttl`` is ``WEIGHT_CACHE_MAX_TTL``."""
+    return ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A setting's names and how its default reads, kept on its field (as pydantic's
+    ``json_schema_extra``, which also writes them into the model's JSON schema)."""
+
+    flags: tuple[str, ...]  # the first is its name; empty: set in the environment only
+    variables: tuple[str, ...]  # preferred first; the others are older spellings, still read
+    help: str
+    shown_default: str | None  # how --help and the README word the default; None: none shown
+    checked_by_cli: bool  # the command checks the value as it parses it (a range, a file)
+
+    def __call__(self, schema: JsonDict) -> None:
+        schema["flags"] = list(self.flags)
+        schema["env"] = list(self.variables)
+
+    @property
+    def flag(self) -> str:
+        return self.flags[0] if self.flags else ""
+
+
+def setting(
+    default: Any = PydanticUndefined,
+    *,
+    flag: str | None = None,
+    also: tuple[str, ...] = (),
+    variable: str | None = None,
+    older: tuple[str, ...] = (),
+    help: str,
+    shown: str | None = None,
+    checked_by_cli: bool = False,
+    **field: Any,
+) -> Any:
+    """A settings field: ``flag`` (and the ``also`` spellings of it) on the command line, the
+    variable named after the flag (or ``variable``, for a setting without a flag) and the
+    ``older`` variable names, all without the ``WEIGHT_CACHE_`` prefix; ``help`` says what it
+    does; ``shown`` words a default that reads better than its value (``cores - 1``). The
+    other keywords go to :func:`pydantic.Field` (``default_factory``, ``ge``, ``le``...)."""
+    if (flag is None) == (variable is None):
+        raise TypeError("a setting has a flag or, set in the environment only, a variable")
+    first = variable_of(flag) if flag is not None else ENV_PREFIX + str(variable)
+    names = (first, *(ENV_PREFIX + name for name in older))
+    if shown is None and default is not PydanticUndefined and default is not None:
+        shown = f"{default:g}" if isinstance(default, float) else str(default)
+    described = Setting(
+        flags=(flag, *also) if flag is not None else (),
+        variables=names,
+        help=help,
+        shown_default=shown,
+        checked_by_cli=checked_by_cli,
+    )
+    return Field(
+        default,
+        validation_alias=AliasChoices(*names),
+        description=help,
+        json_schema_extra=described,
+        **field,
+    )
+
+
+def setting_of(field: FieldInfo) -> Setting:
+    """The names :func:`setting` gave a field."""
+    described = field.json_schema_extra
+    if not isinstance(described, Setting):
+        raise TypeError("every settings field is declared with service.setting.setting()")
+    return described

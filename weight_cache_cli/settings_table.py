@@ -1,0 +1,64 @@
+"""The README's settings table, made from the settings model and the other variables
+(``make settings-table`` rewrites it; a test fails while the README's copy is stale)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from service.env import OTHER_VARIABLES
+from service.setting import setting_of
+from service.settings import DaemonSettings
+from weight_cache_cli.settings_options import repeats
+
+BEGIN = "<!-- settings table: written by `make settings-table` from service/settings.py -->"
+END = "<!-- end of the settings table -->"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _code(names: tuple[str, ...] | list[str]) -> str:
+    """The first name, and the others in parentheses."""
+    first, *others = (f"`{name}`" for name in names)
+    return first + (f" ({', '.join(others)})" if others else "")
+
+
+def table() -> str:
+    """The Markdown table: one row per setting, then the variables read elsewhere."""
+    rows = ["| flag | variable | default | meaning |", "| --- | --- | --- | --- |"]
+    for field in DaemonSettings.model_fields.values():
+        described = setting_of(field)
+        if field.annotation is bool:
+            flag = f"`{described.flag}`/`--no-{described.flag.removeprefix('--')}`"
+        elif described.flags:
+            flag = _code(described.flags) + (" (repeatable)" if repeats(field) else "")
+        else:
+            flag = "-"
+        cells = [flag, _code(described.variables), described.shown_default or "none"]
+        rows.append(f"| {' | '.join(_cell(c) for c in [*cells, described.help])} |")
+    for variable in OTHER_VARIABLES:
+        flag = f"`{variable.flag}`" if variable.flag else "-"
+        cells = [flag, f"`{variable.name}`", variable.default, variable.help]
+        rows.append(f"| {' | '.join(_cell(c) for c in cells)} |")
+    return "\n".join(rows)
+
+
+def with_table(readme: str) -> str:
+    """``readme`` with the text between its markers replaced by :func:`table`."""
+    head, begin, rest = readme.partition(BEGIN)
+    _, end, tail = rest.partition(END)
+    if not begin or not end:
+        raise ValueError(f"the README has no {BEGIN!r} ... {END!r} markers")
+    return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+
+
+def main() -> None:
+    """Rewrite the table in the README named on the command line (default: README.md)."""
+    path = Path(sys.argv[1] if len(sys.argv) > 1 else "README.md")
+    path.write_text(with_table(path.read_text()))
+
+
+if __name__ == "__main__":
+    main()
