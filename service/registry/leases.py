@@ -133,7 +133,7 @@ class LeaseTable:
             return lease
         ending = self.ended.get(lease_id)
         if ending in (LeaseEnd.expired, LeaseEnd.reaped):
-            raise LeaseExpiredError(f"lease {lease_id} ended: {ending.value}", reason=ending.value)
+            raise LeaseExpiredError(f"lease {lease_id} ended: {ending.value}", reason=ending)
         if not lease_id.startswith(f"{self.boot_id}."):
             raise DaemonRestartedError(
                 "the lease was granted by an earlier run of the daemon; lease again",

@@ -138,7 +138,7 @@ class ModelTable:
                     f"model id {model_id!r} is taken ({taken.state.value}, from {taken.path}); "
                     f"DELETE /v1/models/{model_id} to unload it first",
                     model=model_id,
-                    state=taken.state.value,
+                    state=taken.state,
                 )
             record = ModelRecord(id=model_id, path=path, tp_size=tp_size)
             self.records[model_id] = record

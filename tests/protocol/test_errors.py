@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from protocol.errors import _REGISTRY, CLI_HINTS, HINTS, UnauthorizedError, error_from_problem
+from protocol.errors import UnauthorizedError, VerificationError, error_classes, error_from_problem
+from protocol.reasons import Reason
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 ABSTRACT = {"invalid_checkpoint", "conflict"}  # bases of other codes, never raised as such
@@ -30,22 +32,33 @@ def troubleshooting_table() -> dict[str, tuple[str, str]]:
 
 def test_every_code_has_advice_and_a_readme_row() -> None:
     table = troubleshooting_table()
-    codes = set(_REGISTRY) - ABSTRACT
+    classes = error_classes()
+    codes = set(classes) - ABSTRACT
     assert set(table) == codes, set(table) ^ codes
-    assert set(HINTS) == codes
+    # every code words its own advice (none inherits its base's), and the bases give none
+    assert {c for c, cls in classes.items() if "hint" in vars(cls) and cls.hint} == codes
     for code, (status, advice) in table.items():
-        assert advice == HINTS[code], code  # the table says what the daemon says
-        assert str(_REGISTRY[code].status) in status, code
+        assert advice == classes[code].hint, code  # the table says what the daemon says
+        assert str(classes[code].status) in status, code
 
 
 def test_problem_documents_carry_the_hint_and_clients_keep_it_apart() -> None:
     error = UnauthorizedError("no token")
     body = error.problem_fields()
-    assert body["hint"] == HINTS["unauthorized"]
+    assert body["hint"] == UnauthorizedError.hint
     back = error_from_problem(body, 401)
     assert type(back) is UnauthorizedError and "hint" not in back.extra
-    assert back.explain(cli=True).endswith(CLI_HINTS["unauthorized"])
+    assert back.explain(cli=True).endswith(UnauthorizedError.cli_hint)
     assert "WEIGHT_CACHE_TOKEN" in back.explain(cli=True) and "--token-file" in back.explain(True)
+
+
+def test_an_error_takes_a_reason_and_the_wire_carries_its_value() -> None:
+    error = VerificationError("two TP sizes", reason=Reason.tp_mismatch, tp_size=2)
+    body = json.loads(json.dumps(error.problem_fields()))
+    assert body["reason"] == "tp_mismatch" and error.reason is Reason.tp_mismatch
+    back = error_from_problem(body, error.status)
+    assert type(back) is VerificationError and back.reason is Reason.tp_mismatch
+    assert str(back) == "[verification_failed] two TP sizes (tp_size=2)"
 
 
 def test_the_cli_tells_its_user_how_to_pass_a_token(tmp_path: Path, tiny_fp8: Path) -> None:

@@ -1,0 +1,130 @@
+"""One exception hierarchy for the daemon and the engine side, one module per family.
+
+Every class is one failure mode with a stable ``code`` (what clients switch on), the HTTP
+``status`` the API answers with, a ``title`` and a ``hint``: what to do about it, which the
+problem document carries, the CLI prints and the README's troubleshooting table lists (a test
+keeps the table equal to the classes); ``cli_hint`` words it for a user of the ``weight-cache``
+command where that differs. The daemon turns an instance into ``application/problem+json``; the
+engine-side client turns such a body back into the same class through
+:func:`error_from_problem`, so both sides raise the same types.
+
+Families: ``base`` (the base, an unexpected failure, and the registry of codes), ``requests``
+(what the API refuses as a request), ``models`` (the models held and their memory), ``leases``,
+``checkpoints`` and ``engine`` (reaching the daemon, verifying and using a lease).
+"""
+
+from protocol.errors.base import WeightCacheError, error_classes, error_from_problem
+from protocol.errors.checkpoints import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointUnreadableError,
+    CorruptFileError,
+    InvalidConfigError,
+    InvalidScaleError,
+    MissingTensorError,
+    NotModelOptCheckpointError,
+    NotRegularFileError,
+    PathTooLongError,
+    PermissionDeniedError,
+    SymlinkRefusedError,
+    TensorDtypeError,
+    TensorParallelError,
+    TensorShapeError,
+    UnsupportedArchitectureError,
+    UnsupportedQuantAlgoError,
+)
+from protocol.errors.engine import (
+    ArenaUnavailableError,
+    AttachError,
+    BadResponseError,
+    DaemonUnavailableError,
+    IpcOpenError,
+    VerificationError,
+)
+from protocol.errors.leases import (
+    DaemonRestartedError,
+    LeaseExpiredError,
+    LeaseNotFoundError,
+    TooManyClientLeasesError,
+    TooManyLeasesError,
+)
+from protocol.errors.models import (
+    ArenaCorruptedError,
+    ArenaLostError,
+    ConflictError,
+    InsufficientMemoryError,
+    LayoutMismatchError,
+    ModelExistsError,
+    ModelFailedError,
+    ModelInUseError,
+    ModelLoadingError,
+    ModelNotFoundError,
+    ShmDirError,
+)
+from protocol.errors.requests import (
+    HeadersTooLargeError,
+    InvalidRequestError,
+    MalformedRequestError,
+    MethodNotAllowedError,
+    NotFoundError,
+    PathNotAllowedError,
+    PayloadTooLargeError,
+    RequestTimeoutError,
+    TooManyConnectionsError,
+    UnauthorizedError,
+)
+
+__all__ = [
+    "ArenaCorruptedError",
+    "ArenaLostError",
+    "ArenaUnavailableError",
+    "AttachError",
+    "BadResponseError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointUnreadableError",
+    "ConflictError",
+    "CorruptFileError",
+    "DaemonRestartedError",
+    "DaemonUnavailableError",
+    "HeadersTooLargeError",
+    "InsufficientMemoryError",
+    "InvalidConfigError",
+    "InvalidRequestError",
+    "InvalidScaleError",
+    "IpcOpenError",
+    "LayoutMismatchError",
+    "LeaseExpiredError",
+    "LeaseNotFoundError",
+    "MalformedRequestError",
+    "MethodNotAllowedError",
+    "MissingTensorError",
+    "ModelExistsError",
+    "ModelFailedError",
+    "ModelInUseError",
+    "ModelLoadingError",
+    "ModelNotFoundError",
+    "NotFoundError",
+    "NotModelOptCheckpointError",
+    "NotRegularFileError",
+    "PathNotAllowedError",
+    "PathTooLongError",
+    "PayloadTooLargeError",
+    "PermissionDeniedError",
+    "RequestTimeoutError",
+    "ShmDirError",
+    "SymlinkRefusedError",
+    "TensorDtypeError",
+    "TensorParallelError",
+    "TensorShapeError",
+    "TooManyClientLeasesError",
+    "TooManyConnectionsError",
+    "TooManyLeasesError",
+    "UnauthorizedError",
+    "UnsupportedArchitectureError",
+    "UnsupportedQuantAlgoError",
+    "VerificationError",
+    "WeightCacheError",
+    "error_classes",
+    "error_from_problem",
+]

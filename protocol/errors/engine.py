@@ -1,0 +1,70 @@
+"""The engine side: reaching the daemon, verifying its grant, and using the lease. Each of
+these ends in one fallback :class:`~protocol.reasons.Reason`."""
+
+from __future__ import annotations
+
+from protocol.errors.base import WeightCacheError
+from protocol.reasons import Reason
+
+
+class DaemonUnavailableError(WeightCacheError):
+    code = "daemon_unavailable"
+    status = 503
+    title = "Daemon not reachable"
+    hint = "start the daemon, or point the loader's `url` / `uds` at it"
+    cli_hint = (
+        "start it (`weight-cache serve`), or point --url / --uds (or WEIGHT_CACHE_URL, "
+        "WEIGHT_CACHE_HOST, WEIGHT_CACHE_PORT, WEIGHT_CACHE_UDS) at it"
+    )
+
+
+class VerificationError(WeightCacheError):
+    """The lease does not describe what this engine would have built; ``reason`` says which
+    check failed."""
+
+    code = "verification_failed"
+    status = 409
+    title = "Lease failed verification"
+    hint = "the engine falls back to an ordinary load; `reason` says why"
+
+    @property
+    def reason(self) -> Reason:
+        return Reason.parse(self.extra.get("reason"), Reason.manifest_invalid)
+
+
+class AttachError(WeightCacheError):
+    """Attaching failed after the daemon answered (its answer, the arena, the views, binding);
+    ``reason`` says at which step. Raised on the engine side only, where the foreign exception
+    arose."""
+
+    code = "attach_failed"
+    status = 500
+    title = "Attaching to the leased weights failed"
+    hint = "the engine falls back to an ordinary load; `reason` says at which step"
+
+    @property
+    def reason(self) -> Reason:
+        return Reason.parse(self.extra.get("reason", self.code), Reason.internal_error)
+
+
+class BadResponseError(AttachError):
+    code = "bad_response"
+    status = 502
+    title = "The daemon's answer is not the API's JSON"
+    hint = "check that the loader's `url` / `uds` points at the weight-cache daemon"
+
+
+class ArenaUnavailableError(AttachError):
+    code = "arena_unavailable"
+    status = 503
+    title = "The leased arena cannot be opened"
+    hint = (
+        "run the engine in the daemon's IPC namespace and /dev/shm (compose: `ipc: "
+        "service:daemon`); the engine falls back meanwhile"
+    )
+
+
+class IpcOpenError(ArenaUnavailableError):
+    code = "ipc_open_failed"
+    title = "CUDA refused the leased IPC handle"
+    hint = "run the engine on the daemon's GPU, in its PID and IPC namespaces"

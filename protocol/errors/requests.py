@@ -1,0 +1,79 @@
+"""Requests the API refuses as such: malformed, too large, too slow, unauthenticated, or for a
+route or path that is not there."""
+
+from __future__ import annotations
+
+from protocol.errors.base import WeightCacheError
+
+
+class InvalidRequestError(WeightCacheError):
+    code = "invalid_request"
+    status = 422
+    title = "Invalid request"
+    hint = "fix the request; `errors` lists the fields"
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    code = "payload_too_large"
+    status = 413
+    title = "Request body too large"
+    hint = "send a smaller body (the daemon's limit is --max-body-size)"
+
+
+class HeadersTooLargeError(InvalidRequestError):
+    code = "headers_too_large"
+    status = 431
+    title = "Request line and headers too large"
+    hint = "send smaller headers"
+
+
+class RequestTimeoutError(InvalidRequestError):
+    code = "request_timeout"
+    status = 408
+    title = "Request not received in time"
+    hint = "send the whole request within --request-timeout seconds"
+
+
+class MalformedRequestError(InvalidRequestError):
+    """Bytes that do not parse as HTTP/1.1 at all."""
+
+    code = "malformed_request"
+    status = 400
+    title = "Malformed HTTP request"
+    hint = "speak HTTP/1.1 to the daemon"
+
+
+class UnauthorizedError(WeightCacheError):
+    code = "unauthorized"
+    status = 401
+    title = "Missing or wrong bearer token"
+    hint = "send `Authorization: Bearer <token>` with the daemon's token"
+    cli_hint = "pass --token-file FILE, or set WEIGHT_CACHE_TOKEN_FILE or WEIGHT_CACHE_TOKEN"
+
+
+class PathNotAllowedError(WeightCacheError):
+    code = "path_not_allowed"
+    status = 403
+    title = "Path outside the allowed roots"
+    hint = "move the checkpoint below an allowed root, or start the daemon with --allowed-root DIR"
+
+
+class NotFoundError(WeightCacheError):
+    code = "not_found"
+    status = 404
+    title = "Not found"
+    hint = "see openapi.json for the routes"
+
+
+class MethodNotAllowedError(WeightCacheError):
+    code = "method_not_allowed"
+    status = 405
+    title = "Method not allowed on this path"
+    hint = "see openapi.json for the methods each route takes (`Allow`)"
+
+
+class TooManyConnectionsError(WeightCacheError):
+    code = "too_many_connections"
+    status = 503
+    title = "Too many open connections"
+    hint = "retry; close idle connections (--max-connections raises the cap)"
