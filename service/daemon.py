@@ -1,11 +1,13 @@
 """The daemon: one object the API talks to, wiring the registry's parts behind one lock.
 
 Routes call its methods and nothing else (not its settings, not its metrics). The work lives in
-the registry: the model table (``registry/model_table.py``), path policy
+the registry: the model table (``registry/model_table.py``: loads, startup models, readiness,
+lost arenas; ``ModelRecord.fail`` is the one way a model fails), path policy
 (``registry/path_policy.py``), the grant compatibility check (``registry/compatibility.py``), lease
-limits (``registry/lease_limits.py``) and the lease table (``registry/leases.py``). Every decision
-that could race (granting a lease on a model that is being unloaded, unloading a model a lease was
-just granted on) happens under ``self.lock``, so an arena is never released while a lease on it is
+limits (``registry/lease_limits.py``), the lease table and its sweep (``registry/leases.py``) and
+the scrub (``registry/scrub.py``); the daemon counts what they report. Every decision that could
+race (granting a lease on a model that is being unloaded, unloading a model a lease was just
+granted on) happens under ``self.lock``, so an arena is never released while a lease on it is
 active.
 """
 
@@ -22,16 +24,15 @@ from prometheus_client import generate_latest
 from pydantic import SecretStr
 
 from modelopt_fp8.checkpoint.opened import PathPolicy
-from protocol.checksum import storage_checksum
-from protocol.errors import ArenaCorruptedError, ArenaLostError, ModelInUseError, WeightCacheError
+from protocol.errors import ModelInUseError, WeightCacheError
 from protocol.schemas.health import Health, Readiness
 from protocol.schemas.inventory import Inventory
 from protocol.schemas.leases import LeaseInfo, LeaseRequest
 from protocol.schemas.manifest import ArenaDescriptor, DaemonIdentity
-from protocol.schemas.models import ModelInfo, ModelState
+from protocol.schemas.models import ModelInfo
 from protocol.version import PROTOCOL_VERSION, __version__
 from service.logsafe import get_logger
-from service.memory.devices import device_infos, process_alive, use_plain_cuda_allocations
+from service.memory.devices import collect_ipc_handles, device_infos, use_plain_cuda_allocations
 from service.memory.shm import ArenaDir, remove_stale_files
 from service.metrics import Metrics, StateSnapshot
 from service.registry.compatibility import check_request_fits
@@ -41,6 +42,7 @@ from service.registry.leases import Lease, LeaseEnd, LeaseTable, client_start
 from service.registry.model_table import ModelTable
 from service.registry.models import ModelRecord
 from service.registry.path_policy import allowed_checkpoint_path, api_load_policy
+from service.registry.scrub import scrub
 from service.settings import DaemonSettings
 
 log = get_logger(__name__)
@@ -57,7 +59,7 @@ class Daemon:
         self.lock = threading.RLock()
         self.metrics = Metrics(self.metrics_snapshot)
         self.models = ModelTable(settings, self.lock, on_loaded=self.metrics.load_seconds.observe)
-        self.leases = LeaseTable(self.boot_id, on_end=self._lease_ended)
+        self.leases = LeaseTable(self.boot_id, self.lock, on_end=self._lease_ended)
         self.limits = LeaseLimits(settings)
         self.identity = DaemonIdentity(
             boot_id=self.boot_id,
@@ -90,12 +92,9 @@ class Daemon:
         else:
             log.warning("no shared-memory directory %s: CPU arenas cannot be made", root)
         use_plain_cuda_allocations()
-        for path, model_id in self.settings.startup_models():
-            self.models.startup.append(model_id)
-            try:
-                self.load(path, model_id, self.settings.tp_size, check_allowed=False)
-            except WeightCacheError as exc:  # reported by /ready, not fatal to the daemon
-                self.models.add_failed(model_id, path, self.settings.tp_size, exc)
+        self.models.load_at_start(
+            self.settings.startup_models(), self.settings.tp_size, self.arena_dir, self.identity
+        )
 
     def shutdown(self) -> None:
         self.models.release_all()
@@ -111,18 +110,13 @@ class Daemon:
 
     # --- models --------------------------------------------------------------------------------
 
-    def load(
-        self, path: Path, model_id: str | None, tp_size: int, check_allowed: bool = True
-    ) -> ModelRecord:
-        """Register a model and load it in a worker thread (returns at once). A load over the API
-        (``check_allowed``) reads only below the allowed roots; a startup model anywhere."""
-        policy = PathPolicy()
-        if check_allowed:
-            allowed = api_load_policy(self.settings.allowed_roots, self.settings.follow_symlinks)
-            path = allowed_checkpoint_path(path, allowed)
-            policy = allowed or policy
+    def load(self, path: Path, model_id: str | None, tp_size: int) -> ModelRecord:
+        """Register a model asked for over the API and load it in a worker thread (returns at
+        once); it reads only below the allowed roots."""
+        allowed = api_load_policy(self.settings.allowed_roots, self.settings.follow_symlinks)
+        path = allowed_checkpoint_path(path, allowed)
         return self.models.start_load(
-            path, model_id, tp_size, policy, self.arena_dir, self.identity
+            path, model_id, tp_size, allowed or PathPolicy(), self.arena_dir, self.identity
         )
 
     def model(self, model_id: str) -> ModelRecord:
@@ -222,66 +216,18 @@ class Daemon:
             )
 
     def sweep(self) -> None:
-        """End expired leases and those whose client died. Blocking (it reads /proc): the
-        reaper runs it in a thread. The lock is held for the heap pops and the PID list only,
-        never across the /proc reads, so grants on the event loop do not wait on it."""
-        with self.lock:
-            ended = self.leases.expire(self.leases.now())
-            watched = self.leases.watched()
-        dead = [(pid, start) for pid, start in watched if not process_alive(pid, start)]
-        if dead:
-            with self.lock:
-                for pid, start in dead:
-                    reaped = self.leases.reap(pid, start)
-                    ended += reaped
-                    if reaped:
-                        log.info("client pid %d is gone: reaped its %d lease(s)", pid, len(reaped))
-        if ended and torch.cuda.is_available():
-            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+        """End expired leases and those whose client died (the reaper's periodic task)."""
+        if self.leases.sweep(self.leases.now()):
+            collect_ipc_handles()
 
     def scrub(self) -> int:
-        """Re-check every ready model's arenas against the per-tensor checksums taken when they
-        were written, and fail a model whose bytes changed (no new leases; its error says
-        ``arena_corrupted``). Blocking (hashes every resident byte): run it in a thread.
-        Returns the number of models failed."""
-        with self.lock:
-            targets = [
-                (record, [(rank.manifest, rank.arena.base) for rank in record.ranks])
-                for record in self.models.records.values()
-                if record.state is ModelState.ready
-            ]
-        failed = 0
-        for record, ranks in targets:
-            changed = next(
-                (
-                    (manifest.tp_rank, entry.name)
-                    for manifest, base in ranks
-                    for entry in manifest.tensors
-                    if storage_checksum(base[entry.offset : entry.offset + entry.nbytes])
-                    != entry.checksum
-                ),
-                None,
-            )
-            if changed is None:
-                continue
-            rank, tensor = changed
-            error = ArenaCorruptedError(
-                f"tensor {tensor} of rank {rank} no longer matches its checksum: the arena "
-                "was written after loading; unload and load the model again",
-                tensor=tensor,
-                tp_rank=rank,
-            )
-            with self.lock:
-                current = self.models.records.get(record.id)
-                if current is not record or record.state is not ModelState.ready:
-                    continue
-                record.state = ModelState.failed
-                record.error = error
-            failed += 1
+        """Fail every ready model whose arena bytes changed since they were written (the
+        periodic scrub). Returns the number of models failed."""
+        failed = scrub(self.models)  # the registry's scrub; this counts it
+        for record in failed:
             self.metrics.arena_corruptions.labels(model=record.id).inc()
-            log.error("model %s failed its scrub: %s", record.id, error)
         self.metrics.scrubs.inc()
-        return failed
+        return len(failed)
 
     # --- views ---------------------------------------------------------------------------------
 
@@ -317,28 +263,7 @@ class Daemon:
         )
 
     def readiness(self) -> Readiness:
-        """Ready once every startup model still asked for is ready; with ``keep_going``, once
-        each is ready or failed (the failed ones are listed, and engines fall back). A model
-        whose arena was lost counts too, whether or not it was asked for at start."""
-        with self.lock:
-            held = self.models.records
-            for record in held.values():
-                self.models.fail_lost_arenas(record)
-            lost = [m for m, r in held.items() if isinstance(r.error, ArenaLostError)]
-            startup = self.models.startup
-            wanted = [*startup, *(m for m in lost if m not in startup)]
-            records = [held[m] for m in wanted if m in held]
-            states = {r.id: r.state for r in records}
-            failed = {
-                r.id: str(r.error) if r.error else "failed"
-                for r in records
-                if r.state is ModelState.failed
-            }
-        waiting = [m for m, s in states.items() if s is ModelState.loading]
-        blocking = bool(failed) and not self.settings.keep_going
-        return Readiness(
-            ready=not waiting and not blocking, models=states, waiting=waiting, failed=failed
-        )
+        return self.models.readiness()
 
     def inventory(self) -> Inventory:
         models = self.list_models()

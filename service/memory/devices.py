@@ -115,3 +115,9 @@ def use_plain_cuda_allocations() -> None:
         return
     set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     (set_settings or torch.cuda.memory._set_allocator_settings)("expandable_segments:False")
+
+
+def collect_ipc_handles() -> None:
+    """Free CUDA memory kept alive for IPC consumers that no longer hold it (after leases end)."""
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]

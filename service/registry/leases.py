@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import heapq
 import secrets
+import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -18,7 +19,10 @@ from dataclasses import dataclass
 
 from protocol.errors import DaemonRestartedError, LeaseExpiredError, LeaseNotFoundError
 from protocol.schemas.leases import LeaseInfo
+from service.logsafe import get_logger
 from service.memory.devices import process_alive, process_start
+
+log = get_logger("service.daemon")  # the name operators filter the daemon's lines by
 
 _REMEMBERED_ENDINGS = 10_000
 
@@ -67,7 +71,8 @@ def client_start(pid: int) -> int | None:
 
 
 class LeaseTable:
-    """Active leases and the recently ended ones. Callers hold the daemon lock.
+    """Active leases and the recently ended ones. Callers hold the daemon's ``lock``; the sweep
+    takes it itself, as it must let go of it while it reads ``/proc``.
 
     Every operation costs O(log n) at most: expiries sit in a heap (a renewal pushes a new
     entry; stale ones are skipped when they surface), leases are counted per model and per
@@ -76,9 +81,13 @@ class LeaseTable:
     """
 
     def __init__(
-        self, boot_id: str, on_end: Callable[[Lease, LeaseEnd], None] | None = None
+        self,
+        boot_id: str,
+        lock: threading.RLock | None = None,
+        on_end: Callable[[Lease, LeaseEnd], None] | None = None,
     ) -> None:
         self.boot_id = boot_id
+        self.lock = lock or threading.RLock()
         self.on_end = on_end
         self.active: dict[str, Lease] = {}
         self.ended: OrderedDict[str, LeaseEnd] = OrderedDict()
@@ -213,12 +222,21 @@ class LeaseTable:
         return ended
 
     def sweep(self, now: float) -> list[tuple[Lease, LeaseEnd]]:
-        """End leases past expiry or whose client is gone (all in one call, under the
-        caller's lock; the daemon's reaper splits the PID checks out of the lock instead)."""
-        ended = self.expire(now)
-        for pid, start in self.watched():
-            if not process_alive(pid, start):
-                ended += self.reap(pid, start)
+        """End leases past their expiry and those whose client is gone: the reaper's work,
+        blocking (it reads ``/proc``; run it in a thread). The lock is held for the heap pops and
+        the PID list, and again for the reaping, never across the ``/proc`` reads, so grants do
+        not wait on them."""
+        with self.lock:
+            ended = self.expire(now)
+            watched = self.watched()
+        dead = [(pid, start) for pid, start in watched if not process_alive(pid, start)]
+        if dead:
+            with self.lock:
+                for pid, start in dead:
+                    reaped = self.reap(pid, start)
+                    ended += reaped
+                    if reaped:
+                        log.info("client pid %d is gone: reaped its %d lease(s)", pid, len(reaped))
         return ended
 
     @staticmethod

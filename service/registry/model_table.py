@@ -23,6 +23,7 @@ from protocol.errors import (
     ModelNotFoundError,
     WeightCacheError,
 )
+from protocol.schemas.health import Readiness
 from protocol.schemas.manifest import CheckpointIdentity, DaemonIdentity
 from protocol.schemas.models import ModelState, default_model_id
 from service.logsafe import get_logger
@@ -103,18 +104,58 @@ class ModelTable:
             why = rank.arena.lost()
             if why is None:
                 continue
-            record.error = ArenaLostError(
-                f"the arena of rank {rank.manifest.tp_rank} is gone ({why}); unload the model "
-                "and load it again",
-                tp_rank=rank.manifest.tp_rank,
+            record.fail(
+                ArenaLostError(
+                    f"the arena of rank {rank.manifest.tp_rank} is gone ({why}); unload the "
+                    "model and load it again",
+                    tp_rank=rank.manifest.tp_rank,
+                )
             )
-            record.state = ModelState.failed
-            record.reserved_bytes = 0
-            record.release()
             log.error("%s failed: %s", record.id, record.error)
             return
 
+    def readiness(self) -> Readiness:
+        """Ready once every startup model still asked for is ready; with ``keep_going``, once
+        each is ready or failed (the failed ones are listed, and engines fall back). A model
+        whose arena was lost counts too, whether or not it was asked for at start."""
+        with self.lock:
+            for record in self.records.values():
+                self.fail_lost_arenas(record)
+            lost = [m for m, r in self.records.items() if isinstance(r.error, ArenaLostError)]
+            wanted = [*self.startup, *(m for m in lost if m not in self.startup)]
+            records = [self.records[m] for m in wanted if m in self.records]
+            states = {r.id: r.state for r in records}
+            failed = {
+                r.id: str(r.error) if r.error else "failed"
+                for r in records
+                if r.state is ModelState.failed
+            }
+        waiting = [m for m, s in states.items() if s is ModelState.loading]
+        blocking = bool(failed) and not self.settings.keep_going
+        return Readiness(
+            ready=not waiting and not blocking, models=states, waiting=waiting, failed=failed
+        )
+
     # --- loads ---------------------------------------------------------------------------------
+
+    def load_at_start(
+        self,
+        models: list[tuple[Path, str]],
+        tp_size: int,
+        arena_dir: ArenaDir | None,
+        daemon: DaemonIdentity,
+    ) -> None:
+        """Start loading the models asked for at start, from anywhere (no allowed root applies):
+        ``/ready`` waits for them, and one whose load cannot even start is listed as failed."""
+        for path, model_id in models:
+            self.startup.append(model_id)
+            try:
+                self.start_load(path, model_id, tp_size, PathPolicy(), arena_dir, daemon)
+            except WeightCacheError as exc:  # reported by /ready, not fatal to the daemon
+                record = ModelRecord(id=model_id, path=path, tp_size=tp_size)
+                with self.lock:
+                    self.records[model_id] = record
+                self._load_failed(record, exc)
 
     def start_load(
         self,
@@ -159,13 +200,6 @@ class ModelTable:
         self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
         return record
-
-    def add_failed(self, model_id: str, path: Path, tp_size: int, exc: WeightCacheError) -> None:
-        """A startup model whose load could not even start: listed as failed, for /ready."""
-        record = ModelRecord(id=model_id, path=path, tp_size=tp_size)
-        with self.lock:
-            self.records[model_id] = record
-        self._load_failed(record, exc)
 
     def _opened(self, record: ModelRecord, checkpoint: CheckpointIdentity) -> None:
         with self.lock:
@@ -225,10 +259,7 @@ class ModelTable:
 
     def _load_failed(self, record: ModelRecord, exc: WeightCacheError) -> None:
         with self.lock:
-            record.error = exc
-            record.state = ModelState.failed
-            record.reserved_bytes = 0
-            record.load_seconds = time.monotonic() - record.started_at
+            record.fail(exc)
             fatal = (
                 record.id in self.startup
                 and not self.settings.keep_going

@@ -90,6 +90,20 @@ class ModelRecord:
             load_seconds=self.load_seconds,
         )
 
+    def fail(self, error: WeightCacheError, free_memory: bool = True) -> None:
+        """The one way a model fails, whatever failed it (its load, a lost arena, the scrub): no
+        lease is granted on it again, and its info and ``/ready`` report ``error``. A load that
+        ends so ends now. ``free_memory``: its arenas are released and its budget claim given
+        back (engines keep what they mapped); the scrub keeps them, as leases hold them.
+        Caller holds the daemon's lock."""
+        self.error = error
+        self.state = ModelState.failed
+        if self.load_seconds is None:
+            self.load_seconds = time.monotonic() - self.started_at
+        if free_memory:
+            self.release()
+            self.reserved_bytes = 0
+
     def release(self) -> None:
         for rank in self.ranks:
             rank.arena.release()
