@@ -1,10 +1,12 @@
-"""``/health`` and ``/ready``: open to everyone, never blocked by a load."""
+"""``/health`` and ``/ready``: open to everyone, never blocked by a load.
+
+``/health`` answers on the event loop itself (it takes no lock and touches no file), so it
+answers even while every worker thread is busy; ``/ready`` stats arena files, in a thread."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
 
 from protocol.schemas.health import Health, Readiness
 from service.api.routes.deps import DaemonDep
@@ -23,8 +25,8 @@ async def health(daemon: DaemonDep) -> Health:
     summary="Whether every model asked for at start is ready",
     responses={503: {"model": Readiness, "description": "Still loading, or a model failed"}},
 )
-async def ready(daemon: DaemonDep) -> JSONResponse:
-    readiness = await run_in_threadpool(daemon.readiness)  # stats every arena file: a thread
+def ready(daemon: DaemonDep) -> JSONResponse:
+    readiness = daemon.readiness()  # stats every arena file: a plain function, in a thread
     return JSONResponse(
         readiness.model_dump(mode="json"), status_code=200 if readiness.ready else 503
     )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from starlette.concurrency import run_in_threadpool
 
 from protocol.schemas.inventory import Inventory
 from service.api.problems import problem_responses
@@ -13,5 +12,5 @@ router = APIRouter(prefix="/v1", tags=["inventory"], responses=problem_responses
 
 
 @router.get("/inventory", response_model=Inventory, summary="Devices, cache memory and models")
-async def inventory(daemon: DaemonDep) -> Inventory:
-    return await run_in_threadpool(daemon.inventory)  # statvfs of the shm dir: a thread
+def inventory(daemon: DaemonDep) -> Inventory:
+    return daemon.inventory()  # a plain function: its statvfs runs in a worker thread

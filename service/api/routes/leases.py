@@ -1,8 +1,8 @@
 """``/v1/leases``: lend a model's arenas to an engine, renew, release.
 
-Every route runs the daemon's method in a worker thread: they take the daemon's lock, and a
-grant reads the client's ``/proc`` entry and stats the arena file. The event loop waits on
-none of it (the hop costs about 0.1 ms)."""
+The routes are plain functions, which FastAPI runs in its worker threads: they take the
+daemon's lock, and a grant reads the client's ``/proc`` entry and stats the arena file. The
+event loop waits on none of it (the hop costs about 0.1 ms)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Response, status
 from fastapi import Path as PathParam
-from starlette.concurrency import run_in_threadpool
 
 from protocol.schemas.leases import LeaseGrant, LeaseInfo, LeaseRequest, RenewRequest
 from service.api.problems import problem_responses
@@ -28,9 +27,9 @@ LeaseId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]
     summary="Lease one TP rank of a model: its handles and full layout manifest",
     responses=problem_responses(404, 409, 429, 503),
 )
-async def grant(body: LeaseRequest, daemon: DaemonDep) -> Response:
+def grant(body: LeaseRequest, daemon: DaemonDep) -> Response:
     start = time.perf_counter()
-    granted = await run_in_threadpool(daemon.grant, body)
+    granted = daemon.grant(body)
     # Rendered from the layout JSON made at load time (the same bytes as LeaseGrant's).
     response = Response(
         granted.render(),
@@ -43,8 +42,8 @@ async def grant(body: LeaseRequest, daemon: DaemonDep) -> Response:
 
 
 @router.get("", response_model=list[LeaseInfo], summary="Active leases")
-async def list_leases(daemon: DaemonDep) -> list[LeaseInfo]:
-    return await run_in_threadpool(daemon.list_leases)
+def list_leases(daemon: DaemonDep) -> list[LeaseInfo]:
+    return daemon.list_leases()
 
 
 @router.get(
@@ -53,8 +52,8 @@ async def list_leases(daemon: DaemonDep) -> list[LeaseInfo]:
     summary="One lease",
     responses=problem_responses(404, 409, 410),
 )
-async def get_lease(lease_id: LeaseId, daemon: DaemonDep) -> LeaseInfo:
-    return await run_in_threadpool(daemon.lease, lease_id)
+def get_lease(lease_id: LeaseId, daemon: DaemonDep) -> LeaseInfo:
+    return daemon.lease(lease_id)
 
 
 @router.post(
@@ -63,12 +62,12 @@ async def get_lease(lease_id: LeaseId, daemon: DaemonDep) -> LeaseInfo:
     summary="Extend a lease",
     responses=problem_responses(404, 409, 410),
 )
-async def renew(
+def renew(
     lease_id: LeaseId,
     daemon: DaemonDep,
     body: Annotated[RenewRequest | None, Body()] = None,
 ) -> LeaseInfo:
-    return await run_in_threadpool(daemon.renew, lease_id, body.ttl_s if body else None)
+    return daemon.renew(lease_id, body.ttl_s if body else None)
 
 
 @router.delete(
@@ -77,6 +76,6 @@ async def renew(
     summary="Release a lease",
     responses=problem_responses(404, 409, 410),
 )
-async def release(lease_id: LeaseId, daemon: DaemonDep) -> Response:
-    await run_in_threadpool(daemon.release, lease_id)
+def release(lease_id: LeaseId, daemon: DaemonDep) -> Response:
+    daemon.release(lease_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -1,4 +1,7 @@
-"""``/v1/models``: load, inspect and unload models."""
+"""``/v1/models``: load, inspect and unload models.
+
+The routes are plain functions, which FastAPI runs in its worker threads: opening a checkpoint,
+statting arena files and freeing gigabytes never stall the event loop."""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Response, status
 from fastapi import Path as PathParam
-from starlette.concurrency import run_in_threadpool
 
 from protocol.schemas.models import MODEL_ID_PATTERN, LoadModelRequest, ModelInfo
 from service.api.problems import problem_responses
@@ -18,8 +20,8 @@ ModelId = Annotated[str, PathParam(pattern=MODEL_ID_PATTERN)]
 
 
 @router.get("", response_model=list[ModelInfo], summary="Every model and its state")
-async def list_models(daemon: DaemonDep) -> list[ModelInfo]:
-    return await run_in_threadpool(daemon.list_models)  # stats every arena file: a thread
+def list_models(daemon: DaemonDep) -> list[ModelInfo]:
+    return daemon.list_models()
 
 
 @router.post(
@@ -29,18 +31,17 @@ async def list_models(daemon: DaemonDep) -> list[ModelInfo]:
     summary="Start loading a checkpoint (returns at once; poll the model for its state)",
     responses=problem_responses(403, 404, 409),
 )
-async def load_model(body: LoadModelRequest, response: Response, daemon: DaemonDep) -> ModelInfo:
-    # Opening and checking the directory is filesystem work: never on the event loop.
-    record = await run_in_threadpool(daemon.load, Path(body.path), body.id, body.tp_size)
+def load_model(body: LoadModelRequest, response: Response, daemon: DaemonDep) -> ModelInfo:
+    record = daemon.load(Path(body.path), body.id, body.tp_size)
     response.headers["Location"] = f"/v1/models/{record.id}"
-    return await run_in_threadpool(daemon.model_info, record)
+    return daemon.model_info(record)
 
 
 @router.get(
     "/{model_id}", response_model=ModelInfo, summary="One model", responses=problem_responses(404)
 )
-async def get_model(model_id: ModelId, daemon: DaemonDep) -> ModelInfo:
-    return await run_in_threadpool(lambda: daemon.model_info(daemon.model(model_id)))
+def get_model(model_id: ModelId, daemon: DaemonDep) -> ModelInfo:
+    return daemon.model_info(daemon.model(model_id))
 
 
 @router.delete(
@@ -49,6 +50,6 @@ async def get_model(model_id: ModelId, daemon: DaemonDep) -> ModelInfo:
     summary="Unload a model and free its memory (refused while leases are active)",
     responses=problem_responses(404, 409),
 )
-async def unload_model(model_id: ModelId, daemon: DaemonDep) -> Response:
-    await run_in_threadpool(daemon.unload, model_id)  # freeing gigabytes must not stall others
+def unload_model(model_id: ModelId, daemon: DaemonDep) -> Response:
+    daemon.unload(model_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
