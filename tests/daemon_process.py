@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from service.memory.shm import arena_dir_path
+from tests.waiting import wait_for
 
 if TYPE_CHECKING:
     from service.settings import DaemonSettings
@@ -121,22 +122,23 @@ def start_daemon(
     daemon = DaemonProcess(f"http://127.0.0.1:{port}", process, arena_dir_path(shm_dir), log)
     transport = httpx.HTTPTransport(uds=str(uds)) if uds else None
     poll = httpx.Client(transport=transport, base_url=daemon.url, timeout=1)
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def answering() -> bool:
         if process.poll() is not None:
-            poll.close()
             raise RuntimeError(f"daemon exited: {log.read_text()}")
         try:
-            r = poll.get("/ready" if wait_ready else "/health")
-            if r.status_code == 200:
-                poll.close()
-                return daemon
+            return poll.get("/ready" if wait_ready else "/health").status_code == 200
         except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            daemon.stop(signal.SIGKILL)
-            raise RuntimeError(f"daemon not ready: {log.read_text()}")
-        time.sleep(0.1)
+            return False
+
+    try:
+        wait_for(answering, timeout_s, every=0.1, what="the daemon answering")
+    except AssertionError:
+        daemon.stop(signal.SIGKILL)
+        raise RuntimeError(f"daemon not ready: {log.read_text()}") from None
+    finally:
+        poll.close()
+    return daemon
 
 
 class InProcessDaemon:
@@ -160,16 +162,15 @@ class InProcessDaemon:
 
     def __enter__(self) -> InProcessDaemon:
         self.thread.start()
-        deadline = time.monotonic() + 120
-        while True:
+
+        def ready() -> bool:
             try:
-                if httpx.get(f"{self.url}/ready", timeout=1).status_code == 200:
-                    return self
+                return httpx.get(f"{self.url}/ready", timeout=1).status_code == 200
             except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("in-process daemon not ready")
-            time.sleep(0.05)
+                return False
+
+        wait_for(ready, timeout=120, what="the in-process daemon ready")
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True

@@ -180,3 +180,11 @@ def test_the_daemon_internals_check_sees_a_reach() -> None:
         "r.py:2 daemon.metrics",
         "r.py:2 daemon.settings",
     ]
+
+
+def test_test_files_are_named_uniquely() -> None:
+    """One name, one file: a test named in a report or a traceback is found without its path."""
+    names: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}

@@ -8,7 +8,6 @@ headers, requests received within 1 s, 40 leases in all and 10 per client, a scr
 from __future__ import annotations
 
 import shutil
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ import httpx
 import pytest
 
 from tests.daemon_process import DaemonProcess, lease_body, start_daemon
+from tests.waiting import wait_for
 
 LIMITS = {
     "WEIGHT_CACHE_MAX_CONNECTIONS": "32",
@@ -58,12 +58,12 @@ class Hostile:
 
     def settled(self, model_id: str, timeout_s: float = 30.0) -> dict[str, Any]:
         """The model's info once it is no longer loading."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        def settled() -> dict[str, Any] | None:
             info: dict[str, Any] = self.client.get(f"/v1/models/{model_id}").json()
-            if info.get("state") != "loading" or time.monotonic() > deadline:
-                return info
-            time.sleep(0.02)
+            return None if info.get("state") == "loading" else info
+
+        return wait_for(settled, timeout_s, every=0.02, what=f"model {model_id} done loading")
 
     def lease(self, **over: Any) -> httpx.Response:
         return self.client.post("/v1/leases", json=lease_body(**over))

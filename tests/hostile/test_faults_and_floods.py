@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -15,6 +16,28 @@ from tests.daemon_process import lease_body, start_daemon
 from tests.hostile.conftest import LIMITS, Hostile
 from tests.hostile.probe import HealthProbe
 from tests.waiting import wait_for
+
+
+def expired_total(client: httpx.Client) -> float:
+    """``weight_cache_leases_expired_total`` as the daemon reports it."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("weight_cache_leases_expired_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def _expired_beyond(client: httpx.Client, count: float) -> bool:
+    return expired_total(client) > count
+
+
+def sweeps_pass(client: httpx.Client, count: int = 2) -> None:
+    """Wait for ``count`` more sweeps of the reaper: each time, a lease with a short TTL that
+    nothing reads again ends only when a sweep finds it expired (and that sweep checks every
+    client PID too)."""
+    for _ in range(count):
+        before = expired_total(client)
+        assert client.post("/v1/leases", json=lease_body(ttl_s=0.05)).status_code == 201
+        wait_for(partial(_expired_beyond, client, before), timeout=30, what="a lease sweep")
 
 
 def test_a_changed_arena_fails_its_model(hostile: Hostile) -> None:
@@ -88,7 +111,7 @@ def test_thousands_of_leases_of_a_dying_client(tmp_path: Path, tiny_fp8: Path) -
             for _ in range(2_000):
                 r = client.post("/v1/leases", json=lease_body(client_pid=client_process.pid))
                 assert r.status_code == 201
-            time.sleep(0.5)  # several sweeps over all of them
+            sweeps_pass(client)  # several sweeps over all of them
             inventory = client.get("/v1/inventory").json()
             assert inventory["active_leases"] == 2_000
             client_process.kill()
@@ -127,7 +150,7 @@ def test_a_live_client_keeps_its_leases_across_sweeps(tmp_path: Path, tiny_fp8: 
         with httpx.Client(base_url=daemon.url) as client:
             mine = client.post("/v1/leases", json=lease_body(client_pid=os.getpid()))
             assert mine.status_code == 201
-            time.sleep(0.3)  # sweeps pass: a live client keeps its lease
+            sweeps_pass(client)  # a live client keeps its lease
             lease = mine.json()["lease"]["id"]
             assert client.get(f"/v1/leases/{lease}").status_code == 200
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -145,10 +146,19 @@ def test_unload_racing_leases_never_frees_a_leased_arena(tmp_path: Path, tiny_fp
         r = http.get("/v1/models/tiny")
         return str(r.json()["state"]) if r.status_code == 200 else None
 
+    def lease_granted_since(count: int) -> bool:
+        """One more lease granted since ``count`` were (or the race is over)."""
+        with lock:
+            granted = counts["granted"]
+        return granted > count or not running()
+
     def unloader() -> None:
         with httpx.Client(base_url=url, timeout=10) as http:
             while running():
-                time.sleep(0.02)  # let leases in between unloads
+                with lock:
+                    granted = counts["granted"]
+                # Let leases in between unloads: one at least since the last attempt.
+                wait_for(partial(lease_granted_since, granted), timeout=60, every=0.005)
                 r = http.delete("/v1/models/tiny")
                 with lock:
                     if r.status_code == 204:
@@ -162,8 +172,11 @@ def test_unload_racing_leases_never_frees_a_leased_arena(tmp_path: Path, tiny_fp
                             counts["reloaded"] += 1
                         # Unload it again only once it is ready: unloading a model still
                         # loading races no lease (and leaves leasers nothing to lease).
-                        while running() and ready_state(http) == "loading":
-                            time.sleep(0.005)
+                        wait_for(
+                            lambda: not running() or ready_state(http) != "loading",
+                            timeout=60,
+                            every=0.005,
+                        )
                 elif r.status_code not in (404, 409):
                     problems.append(f"unload: {r.status_code} {r.text[:200]}")
 

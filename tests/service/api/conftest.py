@@ -3,7 +3,6 @@ tiny demo checkpoints from a private shared-memory directory."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,10 +11,12 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from protocol.schemas.models import ModelState
 from service.api.app import create_app
 from service.daemon import Daemon
 from service.memory.shm import arena_dir_path
 from tests.daemon_process import lease_body, make_settings
+from tests.waiting import wait_for
 
 
 @dataclass
@@ -27,12 +28,12 @@ class Served:
     def wait_ready(self, model: str, timeout: float = 30.0) -> dict[str, Any]:
         """Wait until the model leaves 'loading'; its info as the API shows it (read from the
         daemon directly, so it works behind a token too)."""
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def settled() -> dict[str, Any] | None:
             info = self.daemon.model_info(self.daemon.model(model))
-            if info.state.value != "loading" or time.monotonic() > deadline:
-                return info.model_dump(mode="json")
-            time.sleep(0.01)
+            return None if info.state is ModelState.loading else info.model_dump(mode="json")
+
+        return wait_for(settled, timeout, every=0.01, what=f"model {model} done loading")
 
     def lease_body(self, **over: Any) -> dict[str, Any]:
         return lease_body(**over)
