@@ -90,8 +90,12 @@ def test_any_exception_becomes_typed() -> None:
 
 
 def test_no_raw_reason_strings_in_the_engine_side() -> None:
-    """Reasons are spelled through the enum, never as string literals."""
-    sources = [*(ROOT / "engine_client").glob("*.py"), ROOT / "protocol" / "errors.py"]
+    """Reasons are spelled through the enum, never as string literals (the daemon's included)."""
+    sources = [
+        *(ROOT / "engine_client").glob("*.py"),
+        *(ROOT / "protocol" / "errors").glob("*.py"),
+        *(ROOT / "service").rglob("*.py"),
+    ]
     raw = [
         f"{path.name}: {m.group(0)}"
         for path in sources
