@@ -1,7 +1,8 @@
 """The ``weight-cache`` command: one group, one module per subcommand.
 
-The modules defining the commands import only click and pydantic at the top: torch, FastAPI and
-uvicorn are imported inside the commands that use them, so ``--help`` answers at once.
+The modules defining the commands import only click and the settings model (pydantic) at the
+top: torch, FastAPI and uvicorn are imported inside the commands that use them, so ``--help``
+answers at once.
 """
 
 from __future__ import annotations
