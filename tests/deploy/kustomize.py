@@ -69,7 +69,9 @@ def _apply_patch(resources: list[Resource], entry: dict[str, Any], where: Path) 
         try:
             resources[i] = jsonpatch.apply_patch(resources[i], operations)
         except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
-            raise KustomizationError(f"{where}: patch of {resource_id(resources[i])}: {exc}") from exc
+            raise KustomizationError(
+                f"{where}: patch of {resource_id(resources[i])}: {exc}"
+            ) from exc
 
 
 def render(directory: Path) -> list[Resource]:

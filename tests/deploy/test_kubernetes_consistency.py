@@ -54,7 +54,7 @@ def compose_services(dockerfile: str) -> list[dict[str, Any]]:
 
 def repository(image: str) -> str:
     """``registry/name:tag`` or ``name@sha256:...`` without its tag or digest."""
-    name = image.split("@")[0]
+    name = image.split("@", maxsplit=1)[0]
     return name.rsplit(":", 1)[0] if ":" in name.rsplit("/", 1)[-1] else name
 
 

@@ -108,11 +108,12 @@ def test_one_gpu_claim_for_every_cuda_container(pod: Pod) -> None:
     for name, claims in named.items():
         assert claims == (set(declared) if name in CUDA_CONTAINERS else set()), name
     assert len(declared) == (1 if set(named) & CUDA_CONTAINERS else 0)
-    kinds = {"ResourceClaim": "resourceClaimName", "ResourceClaimTemplate": "resourceClaimTemplateName"}
+    kinds = {
+        "ResourceClaim": "resourceClaimName",
+        "ResourceClaimTemplate": "resourceClaimTemplateName",
+    }
     objects = {
-        (r["kind"], r["metadata"]["name"]): r
-        for r in rendered(pod.topology)
-        if r["kind"] in kinds
+        (r["kind"], r["metadata"]["name"]): r for r in rendered(pod.topology) if r["kind"] in kinds
     }
     for claim in declared.values():
         (kind,) = [k for k, field in kinds.items() if field in claim]
@@ -150,11 +151,14 @@ def test_node_cache_shares_the_node_gpus_between_daemon_and_engines() -> None:
     (claim,) = engine.spec["resourceClaims"]
     (request,) = _requests("node-cache", "ResourceClaim", claim["resourceClaimName"])
     assert request["allocationMode"] == "All" and not request.get("adminAccess")
-    assert request["deviceClassName"] == _requests(
-        "node-cache", "ResourceClaimTemplate", daemon.spec["resourceClaims"][0][
-            "resourceClaimTemplateName"
-        ]
-    )[0]["deviceClassName"]
+    assert (
+        request["deviceClassName"]
+        == _requests(
+            "node-cache",
+            "ResourceClaimTemplate",
+            daemon.spec["resourceClaims"][0]["resourceClaimTemplateName"],
+        )[0]["deviceClassName"]
+    )
     for pod in (daemon, engine):  # GPU r numbered alike on both sides
         for name in ("daemon", "engine"):
             container = pod.container(name)
@@ -213,7 +217,9 @@ def test_probes(pod: Pod) -> None:
     allocations it exists to keep."""
     for container in pod.containers():
         name = container["name"]
-        probes = {k: _probe(container, k) for k in ("startupProbe", "livenessProbe", "readinessProbe")}
+        probes = {
+            k: _probe(container, k) for k in ("startupProbe", "livenessProbe", "readinessProbe")
+        }
         if name == "daemon":
             assert probes["livenessProbe"] == ("/health", "wc-http")
             assert probes["startupProbe"] == ("/ready", "wc-http")
@@ -231,7 +237,9 @@ def test_sidecar_pod_starts_keeper_then_daemon_then_engine() -> None:
             continue
         sidecars = [c["name"] for c in pod.spec["initContainers"]]
         assert all(c.get("restartPolicy") == "Always" for c in pod.spec["initContainers"])
-        assert sidecars == (["daemon"] if pod.topology == "sidecar-legacy-ipc" else ["keeper", "daemon"])
+        assert sidecars == (
+            ["daemon"] if pod.topology == "sidecar-legacy-ipc" else ["keeper", "daemon"]
+        )
         assert [c["name"] for c in pod.spec["containers"]] == ["engine"]
         assert pod.workload["spec"]["replicas"] == 1
         assert pod.workload["spec"]["strategy"] == {"type": "Recreate"}  # the GPU frees first
