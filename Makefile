@@ -10,6 +10,10 @@ DAEMON_STAMP := $(VENV)/.installed-daemon
 STAMP := $(VENV)/.installed
 # vLLM 0.33 (about 10 GB) lives outside the clone and is reused across runs and clones.
 VLLM_VENV ?= $(HOME)/.cache/weight-cache/vllm-0.33.0
+# kubernetes-validate and checkov (the Kubernetes manifests' checks) in an environment of their
+# own inside the clone: checkov's pins would fight the project's and vLLM's.
+DEPLOY_VENV ?= .venv-deploy
+DEPLOY_STAMP := $(DEPLOY_VENV)/.installed
 
 .PHONY: help run test test-vllm lint format openapi settings-table bench clean deploy-tools
 
@@ -48,16 +52,22 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: lint deploy-tools
-	$(PY) -m pytest
+	DEPLOY_VENV=$(DEPLOY_VENV) $(PY) -m pytest
 	$(MAKE) test-vllm
 
 # docker-compose validates docker/compose.yaml in the tests (Debian's package, root only; the
 # test says it skipped where it cannot be installed).
-deploy-tools:
+deploy-tools: $(DEPLOY_STAMP)
 	@command -v docker-compose >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && \
 		command -v apt-get >/dev/null 2>&1 && apt-get update -qq >/dev/null && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; } || \
 		echo "docker-compose not installed: its validation test will be skipped"
+
+$(DEPLOY_STAMP): deploy/kubernetes/tools.txt
+	rm -rf $(DEPLOY_VENV)
+	$(PYTHON) -m venv $(DEPLOY_VENV)
+	$(DEPLOY_VENV)/bin/pip install -q -r deploy/kubernetes/tools.txt
+	@touch $@
 
 # The loader plugin against the real vLLM 0.33, in its own environment (created once, reused).
 $(VLLM_VENV)/bin/python:
@@ -87,4 +97,4 @@ bench: $(STAMP)
 	$(PY) -m bench.processing
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(DEPLOY_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
