@@ -178,7 +178,8 @@ def _variables(container: dict[str, Any]) -> dict[str, str]:
 def test_daemon_variables_are_settings(pod: Pod, tmp_path: Path, monkeypatch) -> None:
     """Every WEIGHT_CACHE_* variable the manifests give the daemon or its keeper is one it
     knows, and the daemon's settings accept the daemon's values (its token file stands in)."""
-    from service.settings import DaemonSettings, check_environment, known_variables
+    from service.env import check_environment, known_variables
+    from service.settings import DaemonSettings
 
     known = set(known_variables())
     for name in ("daemon", "keeper"):
@@ -208,7 +209,7 @@ def test_variables_the_manifests_set_are_documented() -> None:
     named = set(re.findall(rf"\b{PREFIX}[A-Z_]+\b", guide))
     used = {k for _, c in containers(DAEMON_IMAGE_CONTAINERS) for k in _variables(c)}
     assert used <= named, used - named
-    from service.settings import known_variables
+    from service.env import known_variables
 
     unknown = named - set(known_variables()) - set(PENDING_VARIABLES)
     assert not unknown, f"the guide names variables that configure nothing: {unknown}"
