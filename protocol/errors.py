@@ -404,6 +404,52 @@ class MalformedRequestError(InvalidRequestError):
     title = "Malformed HTTP request"
 
 
+# --- Parked engines and start-up slots -----------------------------------------------------------
+
+
+class ParkingNotFoundError(NotFoundError):
+    code = "parking_not_found"
+    title = "Unknown or forgotten parked engine"
+
+
+class TooManyParkedError(WeightCacheError):
+    """The daemon's cap on parked engines (or start-up slot tickets) is reached."""
+
+    code = "too_many_parked"
+    status = 429
+    title = "Too many parked engines"
+
+
+class TooManyClientParkedError(TooManyParkedError):
+    code = "too_many_client_parked"
+    title = "Too many parked engines for this client process"
+
+
+class NothingParkedError(ConflictError):
+    """A release asked for a model none of whose engines is parked in full (every TP rank)."""
+
+    code = "nothing_parked"
+    title = "No parked engine to release"
+
+
+class StartupSlotNotFoundError(NotFoundError):
+    code = "startup_slot_not_found"
+    title = "Unknown or reclaimed start-up slot ticket"
+
+
+class ParkEndedError(WeightCacheError):
+    """A parked engine was not released: cancelled, or its ``park_timeout`` passed; ``reason``
+    (a :class:`~protocol.reasons.Reason`) says which. Raised on the engine side only."""
+
+    code = "park_ended"
+    status = 409
+    title = "The parked engine was not released"
+
+    @property
+    def reason(self) -> Reason:
+        return Reason.parse(self.extra.get("reason"), Reason.park_cancelled)
+
+
 # What to do about each code: sent as the problem document's ``hint``, printed by the CLI, and
 # the last column of the README's troubleshooting table (a test keeps the three equal).
 HINTS: dict[str, str] = {
@@ -465,6 +511,17 @@ HINTS: dict[str, str] = {
     "malformed_request": "speak HTTP/1.1 to the daemon",
     "arena_lost": "unload the model (DELETE /v1/models/{id}) and load it again; keep /dev/shm "
     "cleaners away from the daemon's files",
+    "parking_not_found": "list parked engines with GET /v1/parking (`weight-cache parking`); an "
+    "engine not asked for within its expiry is forgotten",
+    "too_many_parked": "release or cancel parked engines (--max-parked raises the cap)",
+    "too_many_client_parked": "this process has parked its ranks already (--max-parked-per-client "
+    "raises the cap)",
+    "nothing_parked": "park an engine (loader option `park`) with every TP rank first; GET "
+    "/v1/parking lists them",
+    "startup_slot_not_found": "ask for the slot again; a ticket not asked for within its expiry, "
+    "or held past --startup-slot-hold, is given up",
+    "park_ended": "the engine falls back or fails (its `fallback` option); `reason` says whether "
+    "it was cancelled or waited past `park_timeout`",
 }
 
 # The same advice for a user of the ``weight-cache`` command, where it differs.

@@ -41,6 +41,7 @@ from service.registry.leases import Lease, LeaseEnd, LeaseTable, client_start
 from service.registry.model_table import ModelTable
 from service.registry.models import ModelRecord
 from service.registry.path_policy import allowed_checkpoint_path, api_load_policy
+from service.registry.waiting import WaitingEngines
 from service.settings import DaemonSettings
 
 log = get_logger(__name__)
@@ -59,6 +60,12 @@ class Daemon:
         self.models = ModelTable(settings, self.lock, on_loaded=self.metrics.load_seconds.observe)
         self.leases = LeaseTable(self.boot_id, on_end=self._lease_ended)
         self.limits = LeaseLimits(settings)
+        # Engines waiting: parked ones (released when one on their model ends) and those
+        # queued for their GPU's start-up slot; the routes use these two registries directly.
+        self.waiting = WaitingEngines(
+            self.boot_id, self.lock, settings, self.metrics, self.models.get
+        )
+        self.parking, self.startup_slots = self.waiting.parking, self.waiting.startup_slots
         self.identity = DaemonIdentity(
             boot_id=self.boot_id,
             protocol_version=PROTOCOL_VERSION,
@@ -131,14 +138,18 @@ class Daemon:
     def model_info(self, record: ModelRecord) -> ModelInfo:
         with self.lock:
             self.models.fail_lost_arenas(record)
-            return record.info(self.leases.count(record.id))
+            return self._info(record)
 
     def list_models(self) -> list[ModelInfo]:
         with self.lock:
             records = list(self.models.records.values())
             for record in records:
                 self.models.fail_lost_arenas(record)
-            return [r.info(self.leases.count(r.id)) for r in records]
+            return [self._info(r) for r in records]
+
+    def _info(self, record: ModelRecord) -> ModelInfo:
+        info = record.info(self.leases.count(record.id))
+        return info.model_copy(update={"parked": self.parking.summary(record.id)})
 
     def unload(self, model_id: str) -> None:
         """Forget a model and free its arenas; refused while any lease on it is active."""
@@ -216,26 +227,39 @@ class Daemon:
             LeaseEnd.reaped: self.metrics.leases_reaped,
         }
         counters[how].inc()
+        self.parking.lease_ended(
+            lease.model,
+            lease.tp_rank,
+            lease.tp_size,
+            lease.client_pid,
+            lease.pid_start,
+            process_gone=how is LeaseEnd.reaped,
+            now=self.leases.now(),
+        )
         if how is LeaseEnd.expired:  # reaped ones are logged once per dead client (sweep)
             log.info(
                 "lease %s on %s %s (pid %d)", lease.id, lease.model, how.value, lease.client_pid
             )
 
     def sweep(self) -> None:
-        """End expired leases and those whose client died. Blocking (it reads /proc): the
-        reaper runs it in a thread. The lock is held for the heap pops and the PID list only,
-        never across the /proc reads, so grants on the event loop do not wait on it."""
+        """End expired leases and those whose client died, and forget waiting engines that are
+        gone. Blocking (it reads /proc): the reaper runs it in a thread. The lock is held for
+        the heap pops and the PID lists only, never across the /proc reads, so grants on the
+        event loop do not wait on it."""
+        now = self.leases.now()
         with self.lock:
-            ended = self.leases.expire(self.leases.now())
-            watched = self.leases.watched()
-        dead = [(pid, start) for pid, start in watched if not process_alive(pid, start)]
+            ended = self.leases.expire(now)
+            self.waiting.expire(now)
+            watched = {*self.leases.watched(), *self.waiting.watched()}
+        dead = [(pid, start) for pid, start in sorted(watched) if not process_alive(pid, start)]
         if dead:
             with self.lock:
                 for pid, start in dead:
-                    reaped = self.leases.reap(pid, start)
+                    reaped = self.leases.reap(pid, start)  # first: its ranks free parked ones
                     ended += reaped
                     if reaped:
                         log.info("client pid %d is gone: reaped its %d lease(s)", pid, len(reaped))
+                    self.waiting.process_gone(pid, start, now)
         if ended and torch.cuda.is_available():
             torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 
@@ -285,6 +309,10 @@ class Daemon:
 
     # --- views ---------------------------------------------------------------------------------
 
+    def notify_waiting(self, callback: Callable[[str], None]) -> None:
+        """The API wakes its long-polls with the id of every waiting engine that changed."""
+        self.waiting.notify(callback)
+
     def count_refusal(self, code: str) -> None:
         """Count a refused request by its error code (the API's handlers and limits)."""
         self.metrics.refusals.labels(code=code).inc()
@@ -306,7 +334,13 @@ class Daemon:
             for record in self.models.records.values():
                 counts[record.state.value] += 1
                 resident[record.id] = record.bytes_resident
-            return StateSnapshot(counts, resident, self.leases.count())
+            return StateSnapshot(
+                counts,
+                resident,
+                self.leases.count(),
+                self.parking.count_waiting(),
+                self.startup_slots.counts(),
+            )
 
     def health(self) -> Health:
         return Health(

@@ -119,6 +119,18 @@ class DaemonSettings(BaseSettings):
     keep_going: bool = Field(
         default=False, description="keep serving when a startup model fails to load"
     )
+    max_parked: int = Field(
+        default=64, ge=1, description="parked engines (ranks) in all; as many start-up tickets"
+    )
+    max_parked_per_client: int = Field(
+        default=4, ge=1, description="parked engines (ranks), and start-up tickets, of one process"
+    )
+    startup_slot_hold_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="longest an engine may hold its GPU's start-up slot before the next gets it",
+        validation_alias=_env("startup_slot_hold_s"),
+    )
 
     def __init__(self, **values: Any) -> None:
         """The token is chosen here, by :func:`protocol.tokens.choose_token` as clients choose

@@ -84,6 +84,7 @@ def _flag_of(field: str) -> str:
         "default_ttl_s": "--default-ttl",
         "max_ttl_s": "--max-ttl",
         "reaper_interval_s": "--reaper-interval",
+        "startup_slot_hold_s": "--startup-slot-hold",
         "token": "",
     }
     return flags.get(field, "--" + field.replace("_", "-"))
@@ -360,6 +361,25 @@ def _settings_options(command: F) -> F:
             help="Keep serving when a startup model fails to load, and report ready once every "
             "startup model is ready or failed [default: exit with status 1; "
             f"env: {_env('keep_going')}].",
+        ),
+        click.option(
+            "--max-parked",
+            type=int,
+            help="Most parked engines (ranks) in all, and as many start-up slot tickets "
+            f"[default: 64; env: {_env('max_parked')}].",
+        ),
+        click.option(
+            "--max-parked-per-client",
+            type=int,
+            help="Most parked engines (ranks), and start-up slot tickets, of one process "
+            f"[default: 4; env: {_env('max_parked_per_client')}].",
+        ),
+        click.option(
+            "--startup-slot-hold",
+            "startup_slot_hold_s",
+            type=float,
+            help="Seconds an engine may hold its GPU's start-up slot before the next engine gets "
+            f"it [default: 600; env: {_env('startup_slot_hold_s')}].",
         ),
     ]
     for option in reversed(options):
