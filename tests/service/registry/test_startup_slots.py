@@ -128,14 +128,14 @@ def test_waiting_tickets_nobody_asks_for_are_dropped() -> None:
 def test_caps_unknown_and_bad_requests() -> None:
     s = Slots(max_tickets=3, max_per_client=2)
     s.take("GPU-0", "a")
+    with pytest.raises(InvalidRequestError):
+        s.take("GPU-0", "a", pid=1)  # rank 0 of group a again
     s.take("GPU-1", "b")
     with pytest.raises(TooManyClientParkedError):
         s.take("GPU-2", "c")
     s.take("GPU-2", "c", pid=1)
     with pytest.raises(TooManyParkedError):
         s.take("GPU-3", "d", pid=2)
-    with pytest.raises(InvalidRequestError):
-        s.take("GPU-0", "a", pid=1)  # rank 0 of group a again
     with pytest.raises(StartupSlotNotFoundError):
         s.slots.give_back("b00t.0123", now=0.0)
     with pytest.raises(DaemonRestartedError):
