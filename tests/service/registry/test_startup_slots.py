@@ -105,9 +105,8 @@ def test_dead_and_stuck_holders_lose_the_slot() -> None:
     theirs = s.take("GPU-0", "theirs", pid=1)
     assert (ME, start) in s.slots.watched()
     s.slots.process_gone(ME, start, now=5.0)
-    assert theirs.state is SlotState.held and mine.id not in dict(
-        (t.id, t) for t, _ in s.slots.entries()
-    )
+    assert theirs.state is SlotState.held
+    assert mine.id not in {t.id for t, _ in s.slots.entries()}
     assert s.reclaims == ["engine_gone"]
     third = s.take("GPU-0", "third", pid=1)
     s.slots.get(third.id, now=70.0, wait_s=30.0)  # a long poll keeps a waiting ticket
