@@ -54,13 +54,6 @@ class ParkedEngine(BaseModel):
     )
 
 
-class ReleaseRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    model: str = Field(min_length=1, max_length=128)
-    tp_size: int | None = Field(default=None, ge=1, le=64, description="default: any")
-
-
 class ParkedSummary(BaseModel):
     """A model's parked engines (ranks), as the model's record shows them."""
 

@@ -4,7 +4,8 @@ daemon releases them (an engine on their model ended, or an operator asked).
 An engine parks (``POST``), then asks for its registration with ``wait_s`` (a long-poll that
 answers as soon as it is released or cancelled, and holds no worker thread meanwhile), and
 withdraws it once it is done waiting (``DELETE``). Operators list parked engines, release one
-(by id, or the oldest of a model) and cancel one; an engine's TP ranks go together."""
+(by id, or the oldest of a model: ``POST /v1/parking/models/{model}/release``) and cancel one;
+an engine's TP ranks go together."""
 
 from __future__ import annotations
 
@@ -15,19 +16,20 @@ from fastapi import APIRouter, Query, Response, status
 from fastapi import Path as PathParam
 from starlette.concurrency import run_in_threadpool
 
+from protocol.schemas.models import MODEL_ID_PATTERN
 from protocol.schemas.parking import (
     MAX_WAIT_S,
     ParkedEngine,
     ParkRequest,
     ParkState,
     ReleaseCause,
-    ReleaseRequest,
 )
 from service.api.problems import problem_responses
 from service.api.routes.deps import DaemonDep, WaitsDep
 
 router = APIRouter(prefix="/v1/parking", tags=["parking"], responses=problem_responses(401, 422))
 ParkedId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]
+ModelId = Annotated[str, PathParam(pattern=MODEL_ID_PATTERN)]
 WaitS = Annotated[
     float,
     Query(ge=0, le=MAX_WAIT_S, description="answer once released or cancelled, or after this"),
@@ -81,14 +83,18 @@ async def withdraw(parked_id: ParkedId, daemon: DaemonDep) -> Response:
 
 
 @router.post(
-    "/release",
+    "/models/{model_id}/release",
     response_model=list[ParkedEngine],
     summary="Release the oldest engine parked (every rank) for a model",
     responses=problem_responses(409),
 )
-async def release_oldest(body: ReleaseRequest, daemon: DaemonDep) -> list[ParkedEngine]:
+async def release_oldest(
+    model_id: ModelId,
+    daemon: DaemonDep,
+    tp_size: Annotated[int | None, Query(ge=1, le=64, description="default: any")] = None,
+) -> list[ParkedEngine]:
     released = await run_in_threadpool(
-        daemon.parking.release_oldest, body.model, body.tp_size, ReleaseCause.operator, time.time()
+        daemon.parking.release_oldest, model_id, tp_size, ReleaseCause.operator, time.time()
     )
     return [e.info(daemon.boot_id) for e in released]
 
