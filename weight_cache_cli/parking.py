@@ -111,16 +111,28 @@ def parking(ctx: click.Context, url: str | None, uds: str | None, token_file: st
         print_parked(engines, tickets)
 
 
+Where = tuple[str | None, str | None, str | None]
+
+
+def _where(group: Where, url: str | None, uds: str | None, token_file: str | None) -> Where:
+    """The daemon a subcommand talks to: its own options, else the group's."""
+    return (url or group[0], uds or group[1], token_file or group[2])
+
+
 @parking.command("release")
 @click.argument("parked_id", required=False)
 @click.option("--model", help="Release the oldest engine parked for this model.")
 @click.option("--tp-size", type=int, help="With --model: only engines of this TP size.")
+@daemon_options
 @click.pass_obj
 def release(
-    where: tuple[str | None, str | None, str | None],
+    group: Where,
     parked_id: str | None,
     model: str | None,
     tp_size: int | None,
+    url: str | None,
+    uds: str | None,
+    token_file: str | None,
 ) -> None:
     """Release one parked engine (every TP rank): PARKED_ID, or the oldest of --model."""
     if (parked_id is None) == (model is None):
@@ -129,16 +141,21 @@ def release(
         path = f"/v1/parking/models/{model}/release" + (f"?tp_size={tp_size}" if tp_size else "")
     else:
         path = f"/v1/parking/{parked_id}/release"
+    where = _where(group, url, uds, token_file)
     released = _with_client(*where, lambda c: parked_engines(c, "POST", path))
     print_parked(released, [])
 
 
 @parking.command("cancel")
 @click.argument("parked_id")
+@daemon_options
 @click.pass_obj
-def cancel(where: tuple[str | None, str | None, str | None], parked_id: str) -> None:
+def cancel(
+    group: Where, parked_id: str, url: str | None, uds: str | None, token_file: str | None
+) -> None:
     """Cancel a parked engine (every TP rank): it falls back to vLLM's default loader, or fails
     if its loader option "fallback" is false. To stop it outright, end its process (PID)."""
+    where = _where(group, url, uds, token_file)
     cancelled = _with_client(
         *where, lambda c: parked_engines(c, "POST", f"/v1/parking/{parked_id}/cancel")
     )
