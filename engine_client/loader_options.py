@@ -28,10 +28,11 @@ class LoaderOptions(BaseModel):
         default="sampled",
         description="how the engine's checkpoint must match the daemon's (README: identity tiers)",
     )
-    park: bool = Field(
+    park: bool | Literal["if_serving"] = Field(
         default=False,
         description="wait at the load step (holding only the CUDA context) until the daemon "
-        "releases this engine: an engine on the same model ended, or an operator asked",
+        "releases this engine: an engine on the same model ended, or an operator asked; "
+        "'if_serving': wait only while another engine holds a lease on the model",
     )
     park_timeout: float | None = Field(
         default=None,
@@ -44,6 +45,10 @@ class LoaderOptions(BaseModel):
         description="seconds to wait for this GPU's start-up slot before starting without it "
         "(0: do not ask)",
     )
+
+    @property
+    def parks_if_serving(self) -> bool:
+        return self.park == "if_serving"
 
     def client_config(self) -> ClientConfig:
         return ClientConfig.from_env(

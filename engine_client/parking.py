@@ -50,6 +50,7 @@ class ParkingSpot:
     tp_rank: int
     tp_size: int
     group: str
+    if_serving: bool = False  # released at once when no engine holds a lease on the model
 
 
 def _park(spot: ParkingSpot) -> ApiCall[ParkedEngine]:
@@ -59,6 +60,7 @@ def _park(spot: ParkingSpot) -> ApiCall[ParkedEngine]:
         tp_size=spot.tp_size,
         client_pid=os.getpid(),
         group=spot.group,
+        if_serving=spot.if_serving,
     ).model_dump(mode="json")
     read = lambda r: parse_answer(ParkedEngine, r.content)  # noqa: E731
     return ApiCall("POST", "/v1/parking", read, idempotent=False, json=body)

@@ -484,7 +484,11 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
         group = engine_group()
         rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         spot = lambda: ParkingSpot(  # noqa: E731
-            self._daemon_model(model_config, config)[0], rank, size, group
+            self._daemon_model(model_config, config)[0],
+            rank,
+            size,
+            group,
+            self.options.parks_if_serving,
         )
         released_for_this_load(config, spot, self.options.park_timeout)
 

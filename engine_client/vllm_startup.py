@@ -103,7 +103,9 @@ def before_memory_snapshot(
     ended: WeightCacheError | None = None
     if options.park:
         ended = park_ahead(
-            config, lambda: ParkingSpot(model_id(), tp_rank, tp_size, group), options.park_timeout
+            config,
+            lambda: ParkingSpot(model_id(), tp_rank, tp_size, group, options.parks_if_serving),
+            options.park_timeout,
         )
         if ended is not None and not options.fallback:
             raise ended

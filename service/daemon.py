@@ -63,7 +63,12 @@ class Daemon:
         # Engines waiting: parked ones (released when one on their model ends) and those
         # queued for their GPU's start-up slot; the routes use these two registries directly.
         self.waiting = WaitingEngines(
-            self.boot_id, self.lock, settings, self.metrics, self.models.get
+            self.boot_id,
+            self.lock,
+            settings,
+            self.metrics,
+            self.models.get,
+            lambda model: self.leases.count(model) > 0,
         )
         self.parking, self.startup_slots = self.waiting.parking, self.waiting.startup_slots
         self.identity = DaemonIdentity(

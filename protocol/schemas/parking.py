@@ -21,6 +21,7 @@ class ReleaseCause(str, enum.Enum):
     reaped = "reaped"  # an engine died holding a lease on the same model and rank
     lease_ended = "lease_ended"  # an engine released (or let expire) its lease, then ended
     operator = "operator"  # asked over REST
+    unserved = "unserved"  # parked with if_serving while no engine held a lease on the model
 
 
 class ParkRequest(BaseModel):
@@ -33,6 +34,11 @@ class ParkRequest(BaseModel):
     group: str = Field(
         pattern=GROUP_PATTERN,
         description="shared by the TP ranks of one engine, which are released together",
+    )
+    if_serving: bool = Field(
+        default=False,
+        description="wait only while an engine holds a lease on the model: released at once "
+        "(cause 'unserved') when none does",
     )
 
 

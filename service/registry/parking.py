@@ -99,9 +99,11 @@ class ParkingLot:
         on_release: Callable[[ReleaseCause], None] | None = None,
         grace_s: float = PARK_GRACE_S,
         known_model: Callable[[str], object] | None = None,
+        serving: Callable[[str], bool] | None = None,
     ) -> None:
         self.boot_id = boot_id
         self.known_model = known_model  # raises for a model the daemon does not hold
+        self.serving = serving  # whether any engine holds a lease on a model
         self.lock = lock
         self.max_parked = max_parked
         self.max_per_client = max_per_client
@@ -144,6 +146,9 @@ class ParkingLot:
             self.parked[entry.id] = entry
             self._groups.setdefault(req.group, []).append(entry.id)
             self._settle(entry.key, ReleaseCause.lease_ended, now)  # engines ended before it
+            unserved = self.serving is not None and not self.serving(req.model)
+            if req.if_serving and unserved and self._complete(req.group):
+                self._release_group(req.group, ReleaseCause.unserved, now)  # nobody to wait for
             return entry
 
     def _check_room(self, req: ParkRequest) -> None:

@@ -20,6 +20,7 @@ class WaitingEngines:
         settings: DaemonSettings,
         metrics: Metrics,
         known_model: Callable[[str], object],
+        serving: Callable[[str], bool],
     ) -> None:
         self.parking = ParkingLot(
             boot_id,
@@ -28,6 +29,7 @@ class WaitingEngines:
             settings.max_parked_per_client,
             on_release=lambda cause: metrics.parked_releases.labels(cause=cause.value).inc(),
             known_model=known_model,
+            serving=serving,
         )
         self.startup_slots = StartupSlots(
             boot_id,

@@ -183,9 +183,7 @@ def test_cancel_falls_back_with_its_reason(
     standby = children("park", url, "tiny", str(tiny_fp8))
     wait_for(lambda: waiting_pids(url) == [standby.process.pid])
     (entry,) = parked(url)
-    subprocess.run(
-        [*CLI, "parking", "cancel", entry["id"], "--url", url], timeout=60, check=True
-    )
+    subprocess.run([*CLI, "parking", "cancel", entry["id"], "--url", url], timeout=60, check=True)
     assert standby.next() == {"cause": None, "source": "disk", "reason": "park_cancelled"}
     wait_for(lambda: parked(url) == [])
 

@@ -29,6 +29,7 @@ class Lot:
 
     def __init__(self, max_parked: int = 64, max_per_client: int = 64) -> None:
         self.changed: list[str] = []
+        self.serving: set[str] = set()  # models some engine holds a lease on
         self.releases: list[ReleaseCause] = []
 
         def known(model: str) -> None:
@@ -44,12 +45,27 @@ class Lot:
             on_release=self.releases.append,
             grace_s=10.0,
             known_model=known,
+            serving=lambda model: model in self.serving,
         )
 
     def park(
-        self, group: str, rank: int = 0, tp: int = 1, model: str = "m", pid: int = ME, now=0.0
+        self,
+        group: str,
+        rank: int = 0,
+        tp: int = 1,
+        model: str = "m",
+        pid: int = ME,
+        now=0.0,
+        if_serving: bool = False,
     ) -> Parked:
-        req = ParkRequest(model=model, tp_rank=rank, tp_size=tp, client_pid=pid, group=group)
+        req = ParkRequest(
+            model=model,
+            tp_rank=rank,
+            tp_size=tp,
+            client_pid=pid,
+            group=group,
+            if_serving=if_serving,
+        )
         return self.lot.park(req, now)
 
     def ended(self, rank: int = 0, tp: int = 1, model: str = "m", gone: bool = True) -> None:
@@ -234,3 +250,20 @@ def test_summary_per_model() -> None:
     assert (summary.count, summary.since, summary.pids) == (2, 2.0, sorted({1, ME}))
     assert lot.lot.summary("other").count == 0
     assert lot.lot.count_waiting() == 3
+
+
+def test_if_serving_waits_only_while_an_engine_holds_a_lease() -> None:
+    """A restarted engine that parks with if_serving waits behind the engine now serving, and
+    starts at once when none is (its TP ranks once all have parked)."""
+    lot = Lot()
+    lot.serving.add("m")
+    behind = lot.park("a", if_serving=True)
+    assert behind.state is ParkState.parked
+    lot.serving.clear()
+    half = lot.park("b", 0, tp=2, if_serving=True)
+    assert half.state is ParkState.parked  # its other rank has not parked yet
+    lot.park("b", 1, tp=2, if_serving=True)
+    assert half.state is ParkState.released and half.cause is ReleaseCause.unserved
+    always = lot.park("c")  # park: true waits whoever serves
+    assert always.state is ParkState.parked
+    assert lot.releases == [ReleaseCause.unserved]
