@@ -57,7 +57,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "reaper_interval_s": ("REAPER_INTERVAL", "REAPER_INTERVAL_S"),
     "scrub_interval_s": ("SCRUB_INTERVAL", "SCRUB_INTERVAL_S"),
     "request_timeout_s": ("REQUEST_TIMEOUT", "REQUEST_TIMEOUT_S"),
-    "startup_slot_hold_s": ("STARTUP_SLOT_HOLD", "STARTUP_SLOT_HOLD_S"),
+    "startup_slot_hold_s": ("STARTUP_SLOT_HOLD",),
 }
 
 # Variables read outside the daemon's settings: by every client command and the engine loader

@@ -26,7 +26,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length", 0)))
         time.sleep(0.02)
-        self._answer(200, {"served_by": self.server.server_address[1]})
+        self._answer(200, {"served_by": self.server.server_port})  # type: ignore[attr-defined]
 
     def log_message(self, *args: object) -> None:
         pass

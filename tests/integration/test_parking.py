@@ -87,7 +87,8 @@ def children():
 
 
 def parked(url: str) -> list[dict[str, Any]]:
-    return httpx.get(f"{url}/v1/parking").json()
+    found: list[dict[str, Any]] = httpx.get(f"{url}/v1/parking").json()
+    return found
 
 
 def waiting_pids(url: str) -> list[int]:

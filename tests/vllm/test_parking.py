@@ -95,7 +95,7 @@ def _release_once_parked(url: str, loaded: threading.Event, seen: list[str]) -> 
 def test_a_parked_load_waits_then_builds_the_same_state(served) -> None:
     daemon, checkpoint = served
     extra = {"url": daemon.url, "model": "llama", "fallback": False, "park": True}
-    loaded, seen = threading.Event(), []
+    loaded, seen = threading.Event(), list[str]()
     releaser = threading.Thread(target=_release_once_parked, args=(daemon.url, loaded, seen))
     releaser.start()
     with cutlass_kernel_on_cpu():
