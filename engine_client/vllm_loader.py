@@ -408,7 +408,10 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
         ``v1/engine/core.py:243``), so those collections skip it.
         """
         freeze_gc_heap()
-        config = self.options.client_config()
+        try:
+            config = self.options.client_config()
+        except WeightCacheError:
+            return 0  # an unreadable token file: the load falls back and says so
         model_config = vllm_config.model_config
         if before_memory_snapshot(  # parked until released, then this GPU's start-up slot
             self.options,
