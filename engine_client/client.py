@@ -380,6 +380,10 @@ class DaemonClient(_BaseClient):
     def release(self, lease_id: str) -> None:
         self._send(self._release(lease_id))
 
+    def send(self, call: ApiCall[R]) -> R:
+        """A call built by another engine-side module (parking, start-up slots)."""
+        return self._send(call)
+
 
 class AsyncDaemonClient(_BaseClient):
     """The same API for asyncio callers."""
@@ -447,5 +451,10 @@ class AsyncDaemonClient(_BaseClient):
     async def release(self, lease_id: str) -> None:
         await self._send(self._release(lease_id))
 
+
+# What other engine-side modules build their calls with.
+ApiCall = _Call
+parse_answer = _parse
+parse_answers = _parse_list
 
 __all__ = ["AsyncDaemonClient", "ClientConfig", "DaemonClient", "WeightCacheError"]

@@ -19,6 +19,7 @@ from protocol.errors import (
     AttachError,
     CheckpointError,
     LeaseNotFoundError,
+    ParkEndedError,
     VerificationError,
     WeightCacheError,
 )
@@ -50,7 +51,7 @@ _PROM = _prometheus_counter()
 def reason_of(error: WeightCacheError) -> Reason:
     """The one reason an error stands for: the step's own reason for attach and verification
     errors, else the daemon's error code where it names one, else ``daemon_error``."""
-    if isinstance(error, VerificationError | AttachError):
+    if isinstance(error, VerificationError | AttachError | ParkEndedError):
         return error.reason
     if isinstance(error, CheckpointError):  # the engine's own copy cannot be read
         return Reason.checkpoint_unreadable

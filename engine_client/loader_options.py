@@ -28,6 +28,27 @@ class LoaderOptions(BaseModel):
         default="sampled",
         description="how the engine's checkpoint must match the daemon's (README: identity tiers)",
     )
+    park: bool | Literal["if_serving"] = Field(
+        default=False,
+        description="wait at the load step (holding only the CUDA context) until the daemon "
+        "releases this engine: an engine on the same model ended, or an operator asked; "
+        "'if_serving': wait only while another engine holds a lease on the model",
+    )
+    park_timeout: float | None = Field(
+        default=None,
+        gt=0,
+        description="seconds to wait parked before falling back or failing (default: for ever)",
+    )
+    startup_slot_timeout: float = Field(
+        default=600.0,
+        ge=0,
+        description="seconds to wait for this GPU's start-up slot before starting without it "
+        "(0: do not ask)",
+    )
+
+    @property
+    def parks_if_serving(self) -> bool:
+        return self.park == "if_serving"
 
     def client_config(self) -> ClientConfig:
         return ClientConfig.from_env(

@@ -27,7 +27,10 @@ Options (``--model-loader-extra-config``): ``url``, ``uds``, ``token``, ``token_
 ``fallback`` (default true), ``identity`` (how the checkpoints must match: ``files``,
 ``sampled`` (default), ``hf_blob`` or ``full``), ``timeout`` (seconds, default 10), ``wait``
 (seconds to wait for a daemon still loading the model, default 0), ``verify_checksums``
-(default false).
+(default false), ``park`` (wait at the load step until the daemon releases this engine,
+default false), ``park_timeout`` (seconds, default: for ever), ``startup_slot_timeout``
+(seconds to wait for this GPU's start-up slot, default 600; 0: do not ask). Parking and the
+start-up slot: :mod:`engine_client.vllm_startup`.
 """
 
 from __future__ import annotations
@@ -62,7 +65,9 @@ from engine_client.attach import Attachment, attach_waiting
 from engine_client.client import ClientConfig, DaemonClient
 from engine_client.fallback import as_weight_cache_error, record_fallback
 from engine_client.loader_options import LoaderOptions
+from engine_client.parking import ParkingSpot, released_for_this_load
 from engine_client.verify import Expectations
+from engine_client.vllm_startup import before_memory_snapshot, engine_group
 from modelopt_fp8.checkpoint import Fingerprint, IdentityTier, checkpoint_fingerprint
 from protocol.errors import (
     ModelNotFoundError,
@@ -405,7 +410,19 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
         freeze_gc_heap()
         try:
             config = self.options.client_config()
-            _, rank_bytes = self._daemon_model(vllm_config.model_config, config)
+        except WeightCacheError:
+            return 0  # an unreadable token file: the load falls back and says so
+        model_config = vllm_config.model_config
+        if before_memory_snapshot(  # parked until released, then this GPU's start-up slot
+            self.options,
+            config,
+            lambda: self._daemon_model(model_config, config)[0],
+            get_tensor_model_parallel_rank(),
+            get_tensor_model_parallel_world_size(),
+        ):
+            return 0  # not released: the load falls back to its own weights
+        try:
+            _, rank_bytes = self._daemon_model(model_config, config)
         except WeightCacheError:
             return 0
         return rank_bytes
@@ -465,6 +482,19 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
         )
         return model
 
+    def _wait_until_released(self, model_config: Any, config: ClientConfig) -> None:
+        """The release this engine parked for before vLLM's memory snapshot, else park now."""
+        group = engine_group()
+        rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        spot = lambda: ParkingSpot(  # noqa: E731
+            self._daemon_model(model_config, config)[0],
+            rank,
+            size,
+            group,
+            self.options.parks_if_serving,
+        )
+        released_for_this_load(config, spot, self.options.park_timeout)
+
     def _expectations(self, model_config: Any, device: torch.device) -> Expectations:
         if get_pp_group().world_size != 1:
             raise VerificationError(
@@ -487,9 +517,12 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
 
     def _attach_model(self, vllm_config: Any, model_config: Any, prefix: str) -> nn.Module:
         steps = _Steps()
+        config = self.options.client_config()
+        if self.options.park:
+            self._wait_until_released(model_config, config)
+            steps.done("wait until released")
         device = _target_device(vllm_config)
         expect = self._expectations(model_config, device)
-        config = self.options.client_config()
         model_id, _ = self._daemon_model(model_config, config, expect.fingerprint)
         steps.done("find model")
         with set_default_torch_dtype(model_config.dtype):

@@ -47,6 +47,9 @@ class Reason(str, enum.Enum):
     bind_failed = "bind_failed"  # vLLM's model disagreed with the lease
     unsupported_module = "unsupported_module"  # vLLM built a tensor neither side provides
     leased_read_only = "leased_read_only"  # an in-place reload of shared, leased weights
+    # Waiting, parked, to be released.
+    park_timeout = "park_timeout"  # released by nobody within the loader's park_timeout
+    park_cancelled = "park_cancelled"  # an operator cancelled the parked engine
     internal_error = "internal_error"  # an unexpected exception: a bug, logged with its type
 
     def __str__(self) -> str:  # as enum.StrEnum (Python 3.11+) prints: the value

@@ -43,6 +43,7 @@ from service.registry.model_table import ModelTable
 from service.registry.models import ModelRecord
 from service.registry.path_policy import allowed_checkpoint_path, api_load_policy
 from service.registry.scrub import scrub
+from service.registry.waiting import WaitingEngines
 from service.settings import DaemonSettings
 
 log = get_logger(__name__)
@@ -61,6 +62,17 @@ class Daemon:
         self.models = ModelTable(settings, self.lock, on_loaded=self.metrics.load_seconds.observe)
         self.leases = LeaseTable(self.boot_id, self.lock, on_end=self._lease_ended)
         self.limits = LeaseLimits(settings)
+        # Engines waiting: parked ones (released when one on their model ends) and those
+        # queued for their GPU's start-up slot; the routes use these two registries directly.
+        self.waiting = WaitingEngines(
+            self.boot_id,
+            self.lock,
+            settings,
+            self.metrics,
+            self.models.get,
+            lambda model: self.leases.count(model) > 0,
+        )
+        self.parking, self.startup_slots = self.waiting.parking, self.waiting.startup_slots
         self.identity = DaemonIdentity(
             boot_id=self.boot_id,
             protocol_version=PROTOCOL_VERSION,
@@ -125,14 +137,18 @@ class Daemon:
     def model_info(self, record: ModelRecord) -> ModelInfo:
         with self.lock:
             self.models.fail_lost_arenas(record)
-            return record.info(self.leases.count(record.id))
+            return self._info(record)
 
     def list_models(self) -> list[ModelInfo]:
         with self.lock:
             records = list(self.models.records.values())
             for record in records:
                 self.models.fail_lost_arenas(record)
-            return [r.info(self.leases.count(r.id)) for r in records]
+            return [self._info(r) for r in records]
+
+    def _info(self, record: ModelRecord) -> ModelInfo:
+        info = record.info(self.leases.count(record.id))
+        return info.model_copy(update={"parked": self.parking.summary(record.id)})
 
     def unload(self, model_id: str) -> None:
         """Forget a model and free its arenas; refused while any lease on it is active."""
@@ -210,14 +226,24 @@ class Daemon:
             LeaseEnd.reaped: self.metrics.leases_reaped,
         }
         counters[how].inc()
+        self.parking.lease_ended(
+            lease.model,
+            lease.tp_rank,
+            lease.tp_size,
+            lease.client_pid,
+            lease.pid_start,
+            process_gone=how is LeaseEnd.reaped,
+            now=self.leases.now(),
+        )
         if how is LeaseEnd.expired:  # reaped ones are logged once per dead client (sweep)
             log.info(
                 "lease %s on %s %s (pid %d)", lease.id, lease.model, how.value, lease.client_pid
             )
 
     def sweep(self) -> None:
-        """End expired leases and those whose client died (the reaper's periodic task)."""
-        if self.leases.sweep(self.leases.now()):
+        """End expired leases and those whose client died, and forget waiting engines that are
+        gone (the reaper's periodic task)."""
+        if self.leases.sweep(self.leases.now(), self.waiting):
             collect_ipc_handles()
 
     def scrub(self) -> int:
@@ -230,6 +256,10 @@ class Daemon:
         return len(failed)
 
     # --- views ---------------------------------------------------------------------------------
+
+    def notify_waiting(self, callback: Callable[[str], None]) -> None:
+        """The API wakes its long-polls with the id of every waiting engine that changed."""
+        self.waiting.notify(callback)
 
     def count_refusal(self, code: str) -> None:
         """Count a refused request by its error code (the API's handlers and limits)."""
@@ -252,7 +282,13 @@ class Daemon:
             for record in self.models.records.values():
                 counts[record.state.value] += 1
                 resident[record.id] = record.bytes_resident
-            return StateSnapshot(counts, resident, self.leases.count())
+            return StateSnapshot(
+                counts,
+                resident,
+                self.leases.count(),
+                self.parking.count_waiting(),
+                self.startup_slots.counts(),
+            )
 
     def health(self) -> Health:
         return Health(

@@ -22,6 +22,8 @@ class StateSnapshot:
     models_by_state: dict[str, int] = field(default_factory=dict)
     bytes_resident: dict[str, int] = field(default_factory=dict)
     leases_active: int = 0
+    parked: int = 0  # ranks of parked engines still waiting
+    startup_slots: dict[str, int] = field(default_factory=dict)  # tickets by state
 
 
 class _StateCollector(Collector):
@@ -34,7 +36,16 @@ class _StateCollector(Collector):
             "weight_cache_bytes_resident", "Arena bytes held, by model", labels=["model"]
         )
         leases = GaugeMetricFamily("weight_cache_leases_active", "Active leases")
+        parked = GaugeMetricFamily(
+            "weight_cache_parked_engines", "Ranks of parked engines waiting to be released"
+        )
+        slots = GaugeMetricFamily(
+            "weight_cache_startup_slot_tickets", "Start-up slot tickets by state", labels=["state"]
+        )
         state = self.snapshot()
+        parked.add_metric([], state.parked)
+        for name, n in state.startup_slots.items():
+            slots.add_metric([name], n)
         for model, nbytes in state.bytes_resident.items():
             resident.add_metric([model], nbytes)
         for name, n in state.models_by_state.items():
@@ -43,6 +54,8 @@ class _StateCollector(Collector):
         yield models
         yield resident
         yield leases
+        yield parked
+        yield slots
 
 
 class Metrics:
@@ -84,5 +97,17 @@ class Metrics:
         )
         self.scrubs = Counter(
             "weight_cache_scrubs", "Completed scrubs of every resident arena", registry=r
+        )
+        self.parked_releases = Counter(
+            "weight_cache_parked_releases",
+            "Parked engines released, by cause (reaped, lease_ended, operator)",
+            ["cause"],
+            registry=r,
+        )
+        self.startup_slot_reclaims = Counter(
+            "weight_cache_startup_slot_reclaims",
+            "Start-up slots taken back from their engine (engine_gone, hold_expired)",
+            ["why"],
+            registry=r,
         )
         r.register(_StateCollector(snapshot))

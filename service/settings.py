@@ -210,6 +210,24 @@ class DaemonSettings(BaseSettings):
         "startup model is ready or failed",
         shown="exit with status 1",
     )
+    max_parked: int = setting(
+        64,
+        flag="--max-parked",
+        help="Most parked engines (ranks) in all, and as many start-up slot tickets",
+        ge=1,
+    )
+    max_parked_per_client: int = setting(
+        4,
+        flag="--max-parked-per-client",
+        help="Most parked engines (ranks), and start-up slot tickets, of one process",
+        ge=1,
+    )
+    startup_slot_hold_s: float = setting(
+        600.0,
+        flag="--startup-slot-hold",
+        help="Seconds an engine may hold its GPU's start-up slot before the next engine gets it",
+        gt=0,
+    )
 
     def __init__(self, **values: Any) -> None:
         """The token is chosen here, by :func:`protocol.tokens.choose_token` as clients choose

@@ -15,6 +15,7 @@ from service.logs import FORMATS, LEVELS, configure_logging
 from weight_cache_cli.attach import attach_command
 from weight_cache_cli.demo import demo_checkpoint
 from weight_cache_cli.openapi import openapi
+from weight_cache_cli.parking import parking
 from weight_cache_cli.serve import SettingsError, serve
 from weight_cache_cli.status import status
 
@@ -49,6 +50,7 @@ def cli(log_level: str, log_format: str) -> None:
       curl localhost:8470/v1/inventory
       weight-cache status                 # the inventory as a table
       weight-cache attach --check         # attach as an engine would, compare with disk
+      weight-cache parking                # parked engines; release or cancel one
     \b
     With vLLM: vllm serve CKPT --load-format weight_cache \\
         --model-loader-extra-config '{"url": "http://127.0.0.1:8470"}'
@@ -62,7 +64,7 @@ def cli(log_level: str, log_format: str) -> None:
         raise SettingsError(str(exc)) from exc
 
 
-for command in (serve, status, attach_command, openapi, demo_checkpoint):
+for command in (serve, status, attach_command, parking, openapi, demo_checkpoint):
     cli.add_command(command)
 
 

@@ -24,10 +24,12 @@ def status(url: str | None, uds: str | None, token_file: str | None) -> None:
 
     from engine_client.client import DaemonClient
     from protocol.errors import WeightCacheError
+    from weight_cache_cli.parking import parked_engines, print_parked, slot_tickets
 
     try:
         with DaemonClient(client_config(url, uds, token_file)) as client:
             inv = client.inventory()
+            parked, tickets = parked_engines(client, "GET", "/v1/parking"), slot_tickets(client)
     except WeightCacheError as exc:
         raise click.ClickException(exc.explain(cli=True)) from exc
     console = Console()
@@ -55,6 +57,7 @@ def status(url: str | None, uds: str | None, token_file: str | None) -> None:
         "layers",
         "tp",
         "leases",
+        "parked",
         "quant",
         title="Models",
     )
@@ -71,6 +74,8 @@ def status(url: str | None, uds: str | None, token_file: str | None) -> None:
             str(m.layers),
             str(m.tp_size),
             str(m.active_leases),
+            str(m.parked.count),
             m.quant_algo or "-",
         )
     console.print(models)
+    print_parked(parked, tickets)

@@ -10,7 +10,8 @@ engine-side client turns such a body back into the same class through
 
 Families: ``base`` (the base, an unexpected failure, and the registry of codes), ``requests``
 (what the API refuses as a request), ``models`` (the models held and their memory), ``leases``,
-``checkpoints`` and ``engine`` (reaching the daemon, verifying and using a lease).
+``checkpoints``, ``engine`` (reaching the daemon, verifying and using a lease) and ``parking``
+(parked engines and start-up slots).
 """
 
 from protocol.errors.base import WeightCacheError, error_classes, error_from_problem
@@ -61,6 +62,14 @@ from protocol.errors.models import (
     ModelNotFoundError,
     ShmDirError,
 )
+from protocol.errors.parking import (
+    NothingParkedError,
+    ParkEndedError,
+    ParkingNotFoundError,
+    StartupSlotNotFoundError,
+    TooManyClientParkedError,
+    TooManyParkedError,
+)
 from protocol.errors.requests import (
     HeadersTooLargeError,
     InvalidRequestError,
@@ -107,19 +116,25 @@ __all__ = [
     "NotFoundError",
     "NotModelOptCheckpointError",
     "NotRegularFileError",
+    "NothingParkedError",
+    "ParkEndedError",
+    "ParkingNotFoundError",
     "PathNotAllowedError",
     "PathTooLongError",
     "PayloadTooLargeError",
     "PermissionDeniedError",
     "RequestTimeoutError",
     "ShmDirError",
+    "StartupSlotNotFoundError",
     "SymlinkRefusedError",
     "TensorDtypeError",
     "TensorParallelError",
     "TensorShapeError",
     "TooManyClientLeasesError",
+    "TooManyClientParkedError",
     "TooManyConnectionsError",
     "TooManyLeasesError",
+    "TooManyParkedError",
     "UnauthorizedError",
     "UnsupportedArchitectureError",
     "UnsupportedQuantAlgoError",

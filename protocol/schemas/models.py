@@ -10,6 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.schemas.manifest import CheckpointDigests
+from protocol.schemas.parking import ParkedSummary
 
 MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
@@ -71,3 +72,6 @@ class ModelInfo(BaseModel):
     layers: int = Field(description="linear layers per rank")
     active_leases: int
     load_seconds: float | None = None
+    parked: ParkedSummary = Field(
+        default_factory=ParkedSummary, description="engines parked to replace this model's"
+    )

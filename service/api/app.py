@@ -15,7 +15,16 @@ from protocol.version import __version__
 from service.api import problems
 from service.api.auth import require_token
 from service.api.limits import BodySizeLimit
-from service.api.routes import health, inventory, leases, metrics, models
+from service.api.routes import (
+    health,
+    inventory,
+    leases,
+    metrics,
+    models,
+    parking,
+    startup_slots,
+)
+from service.api.waits import Waits
 from service.daemon import Daemon
 from service.settings import DaemonSettings
 
@@ -35,9 +44,12 @@ async def _every(interval_s: float, work: Callable[[], object], what: str) -> No
 
 def create_app(settings: DaemonSettings, daemon: Daemon | None = None) -> FastAPI:
     daemon = daemon or Daemon(settings)
+    waits = Waits()  # long-polls of parked engines and start-up slots
+    daemon.notify_waiting(waits.wake)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        waits.bind(asyncio.get_running_loop())
         await anyio.to_thread.run_sync(daemon.start)  # cleanup and directory work: a thread
         tasks = [
             asyncio.create_task(_every(interval_s, work, what))
@@ -63,10 +75,19 @@ def create_app(settings: DaemonSettings, daemon: Daemon | None = None) -> FastAP
         openapi_url=None,
     )
     app.state.daemon = daemon
+    app.state.waits = waits
     problems.install(app)
     app.include_router(health.router)
     protected = [Depends(require_token)]
-    for router in (inventory.router, models.router, leases.router, metrics.router):
+    routers = (
+        inventory.router,
+        models.router,
+        leases.router,
+        parking.router,
+        startup_slots.router,
+        metrics.router,
+    )
+    for router in routers:
         app.include_router(router, dependencies=protected)
     app.add_middleware(
         BodySizeLimit,

@@ -16,6 +16,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from protocol.errors import DaemonRestartedError, LeaseExpiredError, LeaseNotFoundError
 from protocol.schemas.leases import LeaseInfo
@@ -68,6 +69,16 @@ def client_start(pid: int) -> int | None:
     disk or a FIFO)."""
     started = process_start(pid)
     return started[0] if started else None
+
+
+class SweptAlong(Protocol):
+    """What else the sweep ends: registrations that expire and watch client processes."""
+
+    def expire(self, now: float) -> None: ...
+
+    def watched(self) -> set[tuple[int, int]]: ...
+
+    def process_gone(self, pid: int, start: int, now: float) -> None: ...
 
 
 class LeaseTable:
@@ -221,15 +232,20 @@ class LeaseTable:
                 ended.append((lease, LeaseEnd.reaped))
         return ended
 
-    def sweep(self, now: float) -> list[tuple[Lease, LeaseEnd]]:
-        """End leases past their expiry and those whose client is gone: the reaper's work,
-        blocking (it reads ``/proc``; run it in a thread). The lock is held for the heap pops and
-        the PID list, and again for the reaping, never across the ``/proc`` reads, so grants do
-        not wait on them."""
+    def sweep(self, now: float, *others: SweptAlong) -> list[tuple[Lease, LeaseEnd]]:
+        """End leases past their expiry and those whose client is gone, and tell ``others``
+        (engines waiting on the daemon) the same: the reaper's one sweep, blocking (it reads
+        ``/proc``; run it in a thread). The lock is held for the heap pops and the PID list, and
+        again for the reaping, never across the ``/proc`` reads, so grants do not wait on them.
+        A dead client's leases end before ``others`` hear of it, so the ranks it held free the
+        engines parked behind it."""
         with self.lock:
             ended = self.expire(now)
-            watched = self.watched()
-        dead = [(pid, start) for pid, start in watched if not process_alive(pid, start)]
+            watched = set(self.watched())
+            for other in others:
+                other.expire(now)
+                watched |= other.watched()
+        dead = [(pid, start) for pid, start in sorted(watched) if not process_alive(pid, start)]
         if dead:
             with self.lock:
                 for pid, start in dead:
@@ -237,6 +253,8 @@ class LeaseTable:
                     ended += reaped
                     if reaped:
                         log.info("client pid %d is gone: reaped its %d lease(s)", pid, len(reaped))
+                    for other in others:
+                        other.process_gone(pid, start, now)
         return ended
 
     @staticmethod

@@ -141,10 +141,12 @@ def test_engine_service(compose: dict[str, Any]) -> None:
         "token_file": "/run/secrets/weight_cache_token",
         "fallback": True,
         "wait": 600,
+        "park": "if_serving",  # started again behind a standby that serves, it parks
     }
     from engine_client.loader_options import LoaderOptions
 
     LoaderOptions.model_validate(extra)  # the loader accepts exactly these options
+    assert args[args.index("--gpu-memory-utilization") + 1] == "0.9"
 
 
 def test_token_is_a_secret(compose: dict[str, Any]) -> None:
@@ -199,3 +201,31 @@ def test_docker_compose_validates_the_file(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     rendered = yaml.safe_load(out.stdout)
     assert rendered["services"]["engine"]["pid"] == "service:daemon"
+
+
+def test_standby_and_proxy_form_one_topology(compose: dict[str, Any]) -> None:
+    """Profile `standby`: a second engine like the first, parked by default, and Caddy from
+    its official image in front of both, reading docker/Caddyfile."""
+    from engine_client.loader_options import LoaderOptions
+
+    services = compose["services"]
+    engine, standby, proxy = services["engine"], services["standby"], services["proxy"]
+    assert standby["profiles"] == proxy["profiles"] == ["standby"]
+    assert "profiles" not in engine and "profiles" not in services["daemon"]
+    for same in ("image", "pid", "ipc", "secrets", "volumes", "depends_on", "deploy", "restart"):
+        assert standby[same] == engine[same], same
+    args = standby["command"]
+    extra = json.loads(args[args.index("--model-loader-extra-config") + 1])
+    assert extra["park"] is True and extra["fallback"] is False
+    assert LoaderOptions.model_validate(extra).park is True
+    hot = yaml.safe_load(
+        substitute(COMPOSE.read_text(), {**env_example(), "STANDBY_PARK": "false"})
+    )
+    hot_args = hot["services"]["standby"]["command"]
+    assert json.loads(hot_args[hot_args.index("--model-loader-extra-config") + 1])["park"] is False
+    assert "ports" not in standby  # reached through the proxy
+    assert proxy["image"].startswith("caddy:")
+    assert proxy["volumes"] == ["./Caddyfile:/etc/caddy/Caddyfile:ro"]
+    assert proxy["environment"]["ENGINE_UPSTREAMS"] == "engine:8000 standby:8000"
+    assert all(p.startswith("127.0.0.1:") for p in proxy["ports"])
+    assert (DOCKER / "Caddyfile").is_file()

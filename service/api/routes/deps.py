@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from service.api.waits import Waits
 from service.daemon import Daemon
 
 
@@ -15,4 +16,10 @@ async def get_daemon(request: Request) -> Daemon:
     return daemon
 
 
+async def get_waits(request: Request) -> Waits:
+    waits: Waits = request.app.state.waits
+    return waits
+
+
 DaemonDep = Annotated[Daemon, Depends(get_daemon)]
+WaitsDep = Annotated[Waits, Depends(get_waits)]

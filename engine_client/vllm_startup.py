@@ -1,0 +1,118 @@
+"""What an engine does at vLLM 0.33's start-up before its weights load, and every reach into
+vLLM's worker that needs (``tests/vllm/test_startup_hooks.py`` fails where these stop holding):
+
+- ``Worker.init_device`` creates the CUDA context (and, at TP > 1, NCCL's buffers), then asks the
+  loader for its external weight memory (``get_external_weight_memory``), then takes the memory
+  snapshot (``MemorySnapshot``) that ``request_memory`` checks ``gpu_memory_utilization``
+  against, and that ``determine_available_memory`` later asserts free memory has not grown
+  past. So an engine parks inside that question: its snapshot is taken once it is released,
+  when the engine it replaces has freed its memory (parked before it, the snapshot would see
+  that engine's KV cache: refused by ``request_memory``, or failing the assertion once it is
+  freed). And it takes its GPU's start-up slot there, just before the snapshot.
+- ``EngineCore._initialize_kv_caches`` profiles (``determine_available_memory``), allocates the
+  KV cache (``initialize_from_config``) and then captures CUDA graphs
+  (``compile_or_warm_up_model``): the slot is given back when the worker's
+  ``compile_or_warm_up_model`` returns (or raises), when nothing the engine allocates at
+  start-up is left to count against the next one.
+- The TP ranks of one engine share a group id, broadcast from rank 0 over vLLM's TP group.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine_client.client import ClientConfig
+from engine_client.loader_options import LoaderOptions
+from engine_client.parking import ParkingSpot, park_ahead
+from engine_client.startup_slot import take_startup_slot
+from protocol.devices import cuda_uuid, host_id
+from protocol.errors import WeightCacheError
+
+log = logging.getLogger(__name__)
+
+_group: list[str] = []  # this engine's group id, once agreed on
+_after_warm_up: list[Callable[[], None]] = []
+_WRAPPED = "_weight_cache_wraps"
+
+
+def engine_group() -> str:
+    """An id the TP ranks of this engine share (rank 0's, broadcast over vLLM's TP group: a
+    collective every rank must reach, once per process; later calls reuse it)."""
+    if _group:
+        return _group[0]
+    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+    group = f"{os.getpid()}.{secrets.token_hex(6)}"
+    if get_tensor_model_parallel_world_size() > 1:
+        group = str(get_tp_group().broadcast_object(group, src=0))
+    _group.append(group)
+    return group
+
+
+def this_device() -> str:
+    """The name the daemon keys start-up slots by: this worker's GPU's UUID, else the host."""
+    if torch.cuda.is_available():
+        return cuda_uuid(torch.cuda.current_device())
+    return host_id()
+
+
+def after_warm_up(callback: Callable[[], None]) -> None:
+    """Call ``callback`` once this process's vLLM worker has finished (or failed) its
+    ``compile_or_warm_up_model``: after its KV cache is allocated and its graphs captured."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    _after_warm_up.append(callback)
+    current = Worker.compile_or_warm_up_model
+    if getattr(current, _WRAPPED, None) is not None:
+        return
+
+    @functools.wraps(current)
+    def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return current(self, *args, **kwargs)
+        finally:
+            while _after_warm_up:
+                done = _after_warm_up.pop(0)
+                try:
+                    done()
+                except Exception:
+                    log.exception("weight-cache: after vLLM's warm-up")
+
+    setattr(compile_or_warm_up_model, _WRAPPED, current)
+    Worker.compile_or_warm_up_model = compile_or_warm_up_model
+
+
+def before_memory_snapshot(
+    options: LoaderOptions,
+    config: ClientConfig,
+    model_id: Callable[[], str],
+    tp_rank: int,
+    tp_size: int,
+) -> WeightCacheError | None:
+    """Park until released (if ``park``), then take this GPU's start-up slot (unless
+    ``startup_slot_timeout`` is 0), given back after warm-up. Returns why the park ended
+    without a release when the engine is to fall back; raises it when it is not."""
+    group = engine_group() if options.park or options.startup_slot_timeout > 0 else ""
+    ended: WeightCacheError | None = None
+    if options.park:
+        ended = park_ahead(
+            config,
+            lambda: ParkingSpot(model_id(), tp_rank, tp_size, group, options.parks_if_serving),
+            options.park_timeout,
+        )
+        if ended is not None and not options.fallback:
+            raise ended
+    if options.startup_slot_timeout > 0 and torch.cuda.is_available():
+        slot = take_startup_slot(
+            config, this_device(), group, tp_rank, tp_size, options.startup_slot_timeout
+        )
+        if slot is not None:
+            after_warm_up(slot.give_back)
+    return ended

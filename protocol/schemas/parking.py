@@ -1,0 +1,68 @@
+"""Parked engines: started ahead of need, waiting at their load step until the daemon releases
+them (``/v1/parking``)."""
+
+from __future__ import annotations
+
+import enum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+GROUP_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+MAX_WAIT_S = 60.0  # longest long-poll of one request
+
+
+class ParkState(str, enum.Enum):
+    parked = "parked"  # waiting to be released
+    released = "released"  # go: attach and serve
+    cancelled = "cancelled"  # an operator cancelled it: fall back or fail (the engine's option)
+
+
+class ReleaseCause(str, enum.Enum):
+    reaped = "reaped"  # an engine died holding a lease on the same model and rank
+    lease_ended = "lease_ended"  # an engine released (or let expire) its lease, then ended
+    operator = "operator"  # asked over REST
+    unserved = "unserved"  # parked with if_serving while no engine held a lease on the model
+
+
+class ParkRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str = Field(min_length=1, max_length=128)
+    tp_rank: int = Field(ge=0, le=63)
+    tp_size: int = Field(ge=1, le=64)
+    client_pid: int = Field(ge=1, le=2**31 - 1)
+    group: str = Field(
+        pattern=GROUP_PATTERN,
+        description="shared by the TP ranks of one engine, which are released together",
+    )
+    if_serving: bool = Field(
+        default=False,
+        description="wait only while an engine holds a lease on the model: released at once "
+        "(cause 'unserved') when none does",
+    )
+
+
+class ParkedEngine(BaseModel):
+    id: str
+    model: str
+    tp_rank: int
+    tp_size: int
+    group: str
+    client_pid: int
+    pid_watched: bool = Field(description="whether the daemon can see the PID to reap it")
+    boot_id: str
+    state: ParkState
+    parked_at: float = Field(description="unix seconds")
+    released_at: float | None = Field(default=None, description="unix seconds")
+    cause: ReleaseCause | None = Field(default=None, description="why it was released")
+    expires_at: float = Field(
+        description="unix seconds; forgotten then unless the engine asks for it again"
+    )
+
+
+class ParkedSummary(BaseModel):
+    """A model's parked engines (ranks), as the model's record shows them."""
+
+    count: int = Field(default=0, description="ranks parked (an engine at TP n parks n)")
+    since: float | None = Field(default=None, description="unix seconds the oldest parked")
+    pids: list[int] = Field(default_factory=list, description="their processes")

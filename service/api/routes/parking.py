@@ -1,0 +1,123 @@
+"""``/v1/parking``: engines started ahead of need wait here, at their load step, until the
+daemon releases them (an engine on their model ended, or an operator asked).
+
+An engine parks (``POST``), then asks for its registration with ``wait_s`` (a long-poll that
+answers as soon as it is released or cancelled, and holds no worker thread meanwhile), and
+withdraws it once it is done waiting (``DELETE``). Operators list parked engines, release one
+(by id, or the oldest of a model: ``POST /v1/parking/models/{model}/release``) and cancel one;
+an engine's TP ranks go together."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response, status
+from fastapi import Path as PathParam
+from starlette.concurrency import run_in_threadpool
+
+from protocol.schemas.models import MODEL_ID_PATTERN
+from protocol.schemas.parking import (
+    MAX_WAIT_S,
+    ParkedEngine,
+    ParkRequest,
+    ParkState,
+    ReleaseCause,
+)
+from service.api.problems import problem_responses
+from service.api.routes.deps import DaemonDep, WaitsDep
+
+router = APIRouter(prefix="/v1/parking", tags=["parking"], responses=problem_responses(401, 422))
+ParkedId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]
+ModelId = Annotated[str, PathParam(pattern=MODEL_ID_PATTERN)]
+WaitS = Annotated[
+    float,
+    Query(ge=0, le=MAX_WAIT_S, description="answer once released or cancelled, or after this"),
+]
+
+
+@router.post(
+    "",
+    response_model=ParkedEngine,
+    status_code=status.HTTP_201_CREATED,
+    summary="Park one TP rank of an engine until it is released",
+    responses=problem_responses(404, 429),
+)
+async def park(body: ParkRequest, response: Response, daemon: DaemonDep) -> ParkedEngine:
+    entry = await run_in_threadpool(daemon.parking.park, body, time.time())
+    response.headers["Location"] = f"/v1/parking/{entry.id}"
+    return entry.info(daemon.boot_id)
+
+
+@router.get("", response_model=list[ParkedEngine], summary="Every parked engine (rank)")
+async def list_parked(daemon: DaemonDep) -> list[ParkedEngine]:
+    entries = await run_in_threadpool(daemon.parking.entries)
+    return [e.info(daemon.boot_id) for e in entries]
+
+
+@router.get(
+    "/{parked_id}",
+    response_model=ParkedEngine,
+    summary="One parked engine; with wait_s, answers once it is released or cancelled",
+    responses=problem_responses(404, 409),
+)
+async def get_parked(
+    parked_id: ParkedId, daemon: DaemonDep, waits: WaitsDep, wait_s: WaitS = 0.0
+) -> ParkedEngine:
+    async def read() -> ParkedEngine:
+        entry = await run_in_threadpool(daemon.parking.get, parked_id, time.time(), wait_s)
+        return entry.info(daemon.boot_id)
+
+    return await waits.until(parked_id, read, lambda e: e.state is not ParkState.parked, wait_s)
+
+
+@router.delete(
+    "/{parked_id}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    summary="Withdraw a registration (the engine's own, once it is done waiting)",
+    responses=problem_responses(404, 409),
+)
+async def withdraw(parked_id: ParkedId, daemon: DaemonDep) -> Response:
+    await run_in_threadpool(daemon.parking.withdraw, parked_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post(
+    "/models/{model_id}/release",
+    response_model=list[ParkedEngine],
+    summary="Release the oldest engine parked (every rank) for a model",
+    responses=problem_responses(409),
+)
+async def release_oldest(
+    model_id: ModelId,
+    daemon: DaemonDep,
+    tp_size: Annotated[int | None, Query(ge=1, le=64, description="default: any")] = None,
+) -> list[ParkedEngine]:
+    released = await run_in_threadpool(
+        daemon.parking.release_oldest, model_id, tp_size, ReleaseCause.operator, time.time()
+    )
+    return [e.info(daemon.boot_id) for e in released]
+
+
+@router.post(
+    "/{parked_id}/release",
+    response_model=list[ParkedEngine],
+    summary="Release this engine (all its ranks)",
+    responses=problem_responses(404, 409),
+)
+async def release(parked_id: ParkedId, daemon: DaemonDep) -> list[ParkedEngine]:
+    released = await run_in_threadpool(
+        daemon.parking.release, parked_id, ReleaseCause.operator, time.time()
+    )
+    return [e.info(daemon.boot_id) for e in released]
+
+
+@router.post(
+    "/{parked_id}/cancel",
+    response_model=list[ParkedEngine],
+    summary="Cancel this engine (all its ranks): it falls back or fails, per its options",
+    responses=problem_responses(404, 409),
+)
+async def cancel(parked_id: ParkedId, daemon: DaemonDep) -> list[ParkedEngine]:
+    cancelled = await run_in_threadpool(daemon.parking.cancel, parked_id, time.time())
+    return [e.info(daemon.boot_id) for e in cancelled]

@@ -1,0 +1,84 @@
+"""``/v1/startup-slots``: engines that share a GPU size their memory one after another.
+
+An engine asks for its GPU's slot (``POST``) just before vLLM takes its memory snapshot, waits
+for it with ``wait_s`` (a long-poll that holds no worker thread), and gives it back
+(``DELETE``) once its KV cache is allocated and its graphs captured."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response, status
+from fastapi import Path as PathParam
+from starlette.concurrency import run_in_threadpool
+
+from protocol.schemas.parking import MAX_WAIT_S
+from protocol.schemas.startup_slots import SlotRequest, SlotState, SlotTicket
+from service.api.problems import problem_responses
+from service.api.routes.deps import DaemonDep, WaitsDep
+
+router = APIRouter(
+    prefix="/v1/startup-slots", tags=["startup-slots"], responses=problem_responses(401, 422)
+)
+TicketId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]
+WaitS = Annotated[
+    float, Query(ge=0, le=MAX_WAIT_S, description="answer once the slot is held, or after this")
+]
+
+
+@router.post(
+    "",
+    response_model=SlotTicket,
+    status_code=status.HTTP_201_CREATED,
+    summary="Ask for a GPU's start-up slot (held at once if free, else waiting)",
+    responses=problem_responses(429),
+)
+async def take(body: SlotRequest, response: Response, daemon: DaemonDep) -> SlotTicket:
+    slots = daemon.startup_slots
+
+    def taken() -> SlotTicket:
+        ticket = slots.take(body, time.time())
+        return ticket.info(daemon.boot_id, slots.ahead(ticket))
+
+    info = await run_in_threadpool(taken)
+    response.headers["Location"] = f"/v1/startup-slots/{info.id}"
+    return info
+
+
+@router.get("", response_model=list[SlotTicket], summary="Every start-up slot ticket")
+async def list_tickets(daemon: DaemonDep) -> list[SlotTicket]:
+    entries = await run_in_threadpool(daemon.startup_slots.entries)
+    return [t.info(daemon.boot_id, ahead) for t, ahead in entries]
+
+
+@router.get(
+    "/{ticket_id}",
+    response_model=SlotTicket,
+    summary="One ticket; with wait_s, answers once its slot is held",
+    responses=problem_responses(404, 409),
+)
+async def get_ticket(
+    ticket_id: TicketId, daemon: DaemonDep, waits: WaitsDep, wait_s: WaitS = 0.0
+) -> SlotTicket:
+    slots = daemon.startup_slots
+
+    def current() -> SlotTicket:
+        ticket = slots.get(ticket_id, time.time(), wait_s)
+        return ticket.info(daemon.boot_id, slots.ahead(ticket))
+
+    async def read() -> SlotTicket:
+        return await run_in_threadpool(current)
+
+    return await waits.until(ticket_id, read, lambda t: t.state is SlotState.held, wait_s)
+
+
+@router.delete(
+    "/{ticket_id}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    summary="Give the slot back (or stop waiting for it)",
+    responses=problem_responses(404, 409),
+)
+async def give_back(ticket_id: TicketId, daemon: DaemonDep) -> Response:
+    await run_in_threadpool(daemon.startup_slots.give_back, ticket_id, time.time())
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -1,0 +1,379 @@
+"""Parked engines: engines started ahead of need, each waiting at its load step (holding only its
+CUDA context) until the daemon releases it.
+
+One is released when an engine that held a lease on the same model and TP size ends (the
+reaper finds its process gone, or it released its lease and then exited), or when an operator
+asks. The TP ranks of one engine park under one group and are released together, oldest group
+first; an engine that ends releases one group once each of its ranks has ended, so a TP engine's
+two leases ending in two sweeps release one waiting engine, not two.
+
+Everything runs under the daemon's lock; ``on_change`` is told the id of every registration
+whose state changed (the API wakes its long-polls with it), ``on_release`` the cause of every
+group released (the metrics count them).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from protocol.errors import (
+    DaemonRestartedError,
+    InvalidRequestError,
+    NothingParkedError,
+    ParkingNotFoundError,
+    TooManyClientParkedError,
+    TooManyParkedError,
+)
+from protocol.schemas.parking import (
+    ParkedEngine,
+    ParkedSummary,
+    ParkRequest,
+    ParkState,
+    ReleaseCause,
+)
+from service.registry.leases import client_start
+
+# Seconds a registration is kept past its last poll (or its end) without being asked for again.
+PARK_GRACE_S = 30.0
+
+GroupKey = tuple[str, int]  # (model, tp_size): parked engines that can replace one another
+
+
+@dataclass
+class Parked:
+    id: str
+    model: str
+    tp_rank: int
+    tp_size: int
+    group: str
+    client_pid: int
+    pid_start: int | None  # None: the PID is not visible here (another PID namespace)
+    parked_at: float
+    expires_at: float
+    state: ParkState = ParkState.parked
+    released_at: float | None = None
+    cause: ReleaseCause | None = None
+
+    @property
+    def key(self) -> GroupKey:
+        return (self.model, self.tp_size)
+
+    def info(self, boot_id: str) -> ParkedEngine:
+        return ParkedEngine(
+            id=self.id,
+            model=self.model,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            group=self.group,
+            client_pid=self.client_pid,
+            pid_watched=self.pid_start is not None,
+            boot_id=boot_id,
+            state=self.state,
+            parked_at=self.parked_at,
+            released_at=self.released_at,
+            cause=self.cause,
+            expires_at=self.expires_at,
+        )
+
+
+@dataclass
+class _Departing:
+    """Ranks whose lease ended while their engine's process still ran: each counts once the
+    process is gone (its GPU memory freed), and only if an engine waits for that model."""
+
+    ranks: set[tuple[GroupKey, int]] = field(default_factory=set)
+
+
+class ParkingLot:
+    def __init__(
+        self,
+        boot_id: str,
+        lock: threading.RLock,
+        max_parked: int,
+        max_per_client: int,
+        on_change: Callable[[str], None] | None = None,
+        on_release: Callable[[ReleaseCause], None] | None = None,
+        grace_s: float = PARK_GRACE_S,
+        known_model: Callable[[str], object] | None = None,
+        serving: Callable[[str], bool] | None = None,
+    ) -> None:
+        self.boot_id = boot_id
+        self.known_model = known_model  # raises for a model the daemon does not hold
+        self.serving = serving  # whether any engine holds a lease on a model
+        self.lock = lock
+        self.max_parked = max_parked
+        self.max_per_client = max_per_client
+        self.on_change = on_change
+        self.on_release = on_release
+        self.grace_s = grace_s
+        self.parked: dict[str, Parked] = {}  # insertion order: oldest first
+        self._groups: dict[str, list[str]] = {}  # group -> ids, oldest group first
+        self._credits: dict[GroupKey, Counter[int]] = {}  # ranks of engines that ended
+        self._departing: dict[tuple[int, int], _Departing] = {}  # (pid, start) -> ranks
+
+    # --- engines parking and asking ----------------------------------------------------------
+
+    def park(self, req: ParkRequest, now: float) -> Parked:
+        """Register a parked engine (rank); released at once if engines of its model ended
+        while others of its kind already waited."""
+        pid_start = client_start(req.client_pid)  # outside the lock, as grants read it
+        with self.lock:
+            if self.known_model is not None:
+                self.known_model(req.model)
+            self._check_room(req)
+            members = [self.parked[i] for i in self._groups.get(req.group, [])]
+            if any(m.key != (req.model, req.tp_size) or m.tp_rank == req.tp_rank for m in members):
+                raise InvalidRequestError(
+                    f"group {req.group} already parks rank {req.tp_rank} or another model or "
+                    "TP size: each rank of one engine parks once, under one group",
+                    group=req.group,
+                )
+            entry = Parked(
+                id=f"{self.boot_id}.{secrets.token_hex(12)}",
+                model=req.model,
+                tp_rank=req.tp_rank,
+                tp_size=req.tp_size,
+                group=req.group,
+                client_pid=req.client_pid,
+                pid_start=pid_start,
+                parked_at=now,
+                expires_at=now + self.grace_s,
+            )
+            self.parked[entry.id] = entry
+            self._groups.setdefault(req.group, []).append(entry.id)
+            self._settle(entry.key, ReleaseCause.lease_ended, now)  # engines ended before it
+            unserved = self.serving is not None and not self.serving(req.model)
+            if req.if_serving and unserved and self._complete(req.group):
+                self._release_group(req.group, ReleaseCause.unserved, now)  # nobody to wait for
+            return entry
+
+    def _check_room(self, req: ParkRequest) -> None:
+        if len(self.parked) >= self.max_parked:
+            raise TooManyParkedError(
+                f"the daemon keeps at most {self.max_parked} parked engines",
+                limit=self.max_parked,
+            )
+        mine = sum(1 for p in self.parked.values() if p.client_pid == req.client_pid)
+        if mine >= self.max_per_client:
+            raise TooManyClientParkedError(
+                f"process {req.client_pid} has {mine} parked registrations",
+                limit=self.max_per_client,
+            )
+
+    def get(self, parked_id: str, now: float, wait_s: float = 0.0) -> Parked:
+        """The registration, kept for its engine ``wait_s`` plus the grace from now on."""
+        with self.lock:
+            entry = self._find(parked_id)
+            entry.expires_at = max(entry.expires_at, now + wait_s + self.grace_s)
+            return entry
+
+    def withdraw(self, parked_id: str) -> None:
+        """The engine is done waiting (released, cancelled, or given up): forget it."""
+        with self.lock:
+            self._find(parked_id)
+            self._forget(parked_id)
+
+    def _find(self, parked_id: str) -> Parked:
+        entry = self.parked.get(parked_id)
+        if entry is not None:
+            return entry
+        if not parked_id.startswith(f"{self.boot_id}."):
+            raise DaemonRestartedError(
+                "the engine parked with an earlier run of the daemon; park again",
+                boot_id=self.boot_id,
+            )
+        raise ParkingNotFoundError(f"no parked engine {parked_id}")
+
+    # --- releasing and cancelling ------------------------------------------------------------
+
+    def release(self, parked_id: str, cause: ReleaseCause, now: float) -> list[Parked]:
+        """Release the engine ``parked_id`` belongs to (every rank of it)."""
+        with self.lock:
+            entry = self.get(parked_id, now)
+            if entry.state is not ParkState.parked:
+                return self._members(entry.group)
+            if not self._complete(entry.group):
+                raise NothingParkedError(
+                    f"engine {entry.group} has parked {len(self._members(entry.group))} of its "
+                    f"{entry.tp_size} ranks: its ranks are released together",
+                    group=entry.group,
+                )
+            return self._release_group(entry.group, cause, now)
+
+    def release_oldest(
+        self, model: str, tp_size: int | None, cause: ReleaseCause, now: float
+    ) -> list[Parked]:
+        """Release the oldest engine parked in full for ``model`` (at ``tp_size``, if given)."""
+        with self.lock:
+            group = self._oldest(model, tp_size)
+            if group is None:
+                raise NothingParkedError(
+                    f"no engine of model {model!r}"
+                    + (f" at tp_size {tp_size}" if tp_size else "")
+                    + " is parked with every rank",
+                    model=model,
+                )
+            return self._release_group(group, cause, now)
+
+    def cancel(self, parked_id: str, now: float) -> list[Parked]:
+        """Cancel the engine ``parked_id`` belongs to: its ranks fall back or fail."""
+        with self.lock:
+            entry = self.get(parked_id, now)
+            members = self._members(entry.group)
+            for member in members:
+                if member.state is ParkState.parked:
+                    member.state = ParkState.cancelled
+                    member.expires_at = now + self.grace_s
+                    self._changed(member.id)
+            return members
+
+    # --- engines that end --------------------------------------------------------------------
+
+    def lease_ended(
+        self,
+        model: str,
+        tp_rank: int,
+        tp_size: int,
+        pid: int,
+        pid_start: int | None,
+        process_gone: bool,
+        now: float,
+    ) -> None:
+        """A lease on ``model`` ended. Its rank counts toward releasing a parked engine once its
+        process is gone (now, if the reaper ended it or the PID cannot be watched)."""
+        with self.lock:
+            key = (model, tp_size)
+            if not self._waiting(key):
+                return
+            if process_gone or pid_start is None:
+                cause = ReleaseCause.reaped if process_gone else ReleaseCause.lease_ended
+                self._credit(key, tp_rank, cause, now)
+                return
+            self._departing.setdefault((pid, pid_start), _Departing()).ranks.add((key, tp_rank))
+
+    def watched(self) -> list[tuple[int, int]]:
+        """(PID, start) of every process whose end matters here: parked engines, and engines
+        that ended a lease while a parked engine waits for their model."""
+        with self.lock:
+            pids = {(p.client_pid, p.pid_start) for p in self.parked.values() if p.pid_start}
+            return sorted(pids | set(self._departing))
+
+    def process_gone(self, pid: int, start: int, now: float) -> list[Parked]:
+        """The process ``pid`` (started at ``start``) is gone: forget its registrations, and
+        count the ranks it served."""
+        with self.lock:
+            gone = [p for p in self.parked.values() if (p.client_pid, p.pid_start) == (pid, start)]
+            for entry in gone:
+                self._forget(entry.id)
+            departing = self._departing.pop((pid, start), None)
+            for key, rank in sorted(departing.ranks) if departing else ():
+                self._credit(key, rank, ReleaseCause.lease_ended, now)
+            return gone
+
+    def expire(self, now: float) -> list[Parked]:
+        """Forget registrations not asked for within their expiry (an engine that stopped
+        polling from a PID the daemon cannot watch, or never collected its release)."""
+        with self.lock:
+            stale = [p for p in self.parked.values() if p.expires_at < now]
+            for entry in stale:
+                self._forget(entry.id)
+            return stale
+
+    # --- views -------------------------------------------------------------------------------
+
+    def entries(self) -> list[Parked]:
+        with self.lock:
+            return list(self.parked.values())
+
+    def summary(self, model: str) -> ParkedSummary:
+        with self.lock:
+            waiting = [
+                p for p in self.parked.values() if p.model == model and p.state is ParkState.parked
+            ]
+            return ParkedSummary(
+                count=len(waiting),
+                since=min((p.parked_at for p in waiting), default=None),
+                pids=sorted({p.client_pid for p in waiting}),
+            )
+
+    def count_waiting(self) -> int:
+        with self.lock:
+            return sum(1 for p in self.parked.values() if p.state is ParkState.parked)
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _members(self, group: str) -> list[Parked]:
+        return [self.parked[i] for i in self._groups.get(group, [])]
+
+    def _complete(self, group: str) -> bool:
+        members = self._members(group)
+        return (
+            bool(members)
+            and all(m.state is ParkState.parked for m in members)
+            and {m.tp_rank for m in members} == set(range(members[0].tp_size))
+        )
+
+    def _waiting(self, key: GroupKey) -> bool:
+        return any(p.key == key and p.state is ParkState.parked for p in self.parked.values())
+
+    def _oldest(self, model: str, tp_size: int | None) -> str | None:
+        for group, ids in self._groups.items():
+            first = self.parked[ids[0]]
+            if first.model != model or (tp_size is not None and first.tp_size != tp_size):
+                continue
+            if self._complete(group):
+                return group
+        return None
+
+    def _credit(self, key: GroupKey, rank: int, cause: ReleaseCause, now: float) -> None:
+        self._credits.setdefault(key, Counter())[rank] += 1
+        self._settle(key, cause, now)
+
+    def _settle(self, key: GroupKey, cause: ReleaseCause, now: float) -> None:
+        """Release one parked engine per engine that ended (every one of its ranks)."""
+        credits = self._credits.get(key)
+        if credits is None:
+            return
+        model, tp_size = key
+        while all(credits[rank] > 0 for rank in range(tp_size)):
+            group = self._oldest(model, tp_size)
+            if group is None:
+                break
+            for rank in range(tp_size):
+                credits[rank] -= 1
+            self._release_group(group, cause, now)
+        if not self._waiting(key):
+            del self._credits[key]  # ends are not banked for engines that park later
+
+    def _release_group(self, group: str, cause: ReleaseCause, now: float) -> list[Parked]:
+        members = self._members(group)
+        for member in members:
+            member.state = ParkState.released
+            member.released_at = now
+            member.cause = cause
+            member.expires_at = now + self.grace_s
+            self._changed(member.id)
+        if self.on_release is not None:
+            self.on_release(cause)
+        return members
+
+    def _forget(self, parked_id: str) -> None:
+        entry = self.parked.pop(parked_id, None)
+        if entry is None:
+            return
+        ids = self._groups.get(entry.group, [])
+        if parked_id in ids:
+            ids.remove(parked_id)
+        if not ids:
+            self._groups.pop(entry.group, None)
+        if not self._waiting(entry.key):
+            self._credits.pop(entry.key, None)
+        self._changed(parked_id)
+
+    def _changed(self, parked_id: str) -> None:
+        if self.on_change is not None:
+            self.on_change(parked_id)

@@ -1,0 +1,240 @@
+"""Start-up slots: one engine at a time per GPU sizes its memory.
+
+vLLM measures an engine's own use by the change in the GPU's free memory while it profiles, and
+sizes the KV cache from what is left: another engine allocating on the same GPU meanwhile is
+counted as this one's, and four engines started at once on one GPU left one of them a negative
+KV cache. An engine asks for its GPU's slot just before vLLM takes its memory snapshot and gives
+it back once its KV cache is allocated and its graphs captured.
+
+The TP ranks of one engine ask under one group and are granted together, once every rank has
+asked and all their GPUs are free, first come first served per GPU (a group waiting for a GPU
+holds back later groups on it, so none starves and no two engines each hold half of what the
+other needs). A held slot whose engine dies is given back by the reaper, and one held past
+``hold_s`` is taken back, so one stuck engine delays the others at most that long.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from protocol.errors import (
+    DaemonRestartedError,
+    InvalidRequestError,
+    StartupSlotNotFoundError,
+    TooManyClientParkedError,
+    TooManyParkedError,
+)
+from protocol.schemas.startup_slots import SlotRequest, SlotState, SlotTicket
+from service.logsafe import get_logger
+from service.registry.leases import client_start
+
+log = get_logger(__name__)
+
+SLOT_GRACE_S = 30.0  # a waiting ticket not asked for again within this is dropped
+
+
+@dataclass
+class Ticket:
+    id: str
+    device: str
+    tp_rank: int
+    tp_size: int
+    group: str
+    client_pid: int
+    pid_start: int | None
+    asked_at: float
+    expires_at: float
+    state: SlotState = SlotState.waiting
+    granted_at: float | None = None
+
+    def info(self, boot_id: str, ahead: int) -> SlotTicket:
+        return SlotTicket(
+            id=self.id,
+            device=self.device,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            group=self.group,
+            client_pid=self.client_pid,
+            pid_watched=self.pid_start is not None,
+            boot_id=boot_id,
+            state=self.state,
+            asked_at=self.asked_at,
+            granted_at=self.granted_at,
+            expires_at=self.expires_at,
+            ahead=ahead,
+        )
+
+
+class StartupSlots:
+    def __init__(
+        self,
+        boot_id: str,
+        lock: threading.RLock,
+        max_tickets: int,
+        max_per_client: int,
+        hold_s: float,
+        on_change: Callable[[str], None] | None = None,
+        on_reclaim: Callable[[str], None] | None = None,
+        grace_s: float = SLOT_GRACE_S,
+    ) -> None:
+        self.boot_id = boot_id
+        self.lock = lock
+        self.max_tickets = max_tickets
+        self.max_per_client = max_per_client
+        self.hold_s = hold_s
+        self.on_change = on_change
+        self.on_reclaim = on_reclaim
+        self.grace_s = grace_s
+        self.tickets: dict[str, Ticket] = {}  # insertion order: first asked first
+
+    def take(self, req: SlotRequest, now: float) -> Ticket:
+        """A ticket for ``req.device``: held at once if the GPU is free, else waiting."""
+        pid_start = client_start(req.client_pid)  # outside the lock, as grants read it
+        with self.lock:
+            if len(self.tickets) >= self.max_tickets:
+                raise TooManyParkedError(
+                    f"the daemon keeps at most {self.max_tickets} start-up slot tickets",
+                    limit=self.max_tickets,
+                )
+            mine = [t for t in self.tickets.values() if t.client_pid == req.client_pid]
+            if len(mine) >= self.max_per_client:
+                raise TooManyClientParkedError(
+                    f"process {req.client_pid} holds {len(mine)} start-up slot tickets",
+                    limit=self.max_per_client,
+                )
+            others = [t for t in self.tickets.values() if t.group == req.group]
+            if any(t.tp_size != req.tp_size or t.tp_rank == req.tp_rank for t in others):
+                raise InvalidRequestError(
+                    f"group {req.group} already asked for rank {req.tp_rank}, or at another TP "
+                    "size: each rank of one engine asks once, under one group",
+                    group=req.group,
+                )
+            ticket = Ticket(
+                id=f"{self.boot_id}.{secrets.token_hex(12)}",
+                device=req.device,
+                tp_rank=req.tp_rank,
+                tp_size=req.tp_size,
+                group=req.group,
+                client_pid=req.client_pid,
+                pid_start=pid_start,
+                asked_at=now,
+                expires_at=now + self.grace_s,
+            )
+            self.tickets[ticket.id] = ticket
+            self._grant(now)
+            return ticket
+
+    def get(self, ticket_id: str, now: float, wait_s: float = 0.0) -> Ticket:
+        """The ticket; a waiting one is kept ``wait_s`` plus the grace from now on."""
+        with self.lock:
+            ticket = self.tickets.get(ticket_id)
+            if ticket is None:
+                if not ticket_id.startswith(f"{self.boot_id}."):
+                    raise DaemonRestartedError(
+                        "the ticket is from an earlier run of the daemon; ask again",
+                        boot_id=self.boot_id,
+                    )
+                raise StartupSlotNotFoundError(f"no start-up slot ticket {ticket_id}")
+            if ticket.state is SlotState.waiting:
+                ticket.expires_at = max(ticket.expires_at, now + wait_s + self.grace_s)
+            return ticket
+
+    def give_back(self, ticket_id: str, now: float) -> None:
+        """The engine is done (or gives up waiting): the next engine may start."""
+        with self.lock:
+            self.get(ticket_id, now)
+            self._drop(ticket_id, now)
+
+    def ahead(self, ticket: Ticket) -> int:
+        """Engines (groups) that asked for this ticket's GPU before it and still wait or hold."""
+        with self.lock:
+            groups = set()
+            for other in self.tickets.values():
+                if other.group == ticket.group:
+                    break
+                if other.device == ticket.device:
+                    groups.add(other.group)
+            return len(groups)
+
+    def watched(self) -> list[tuple[int, int]]:
+        with self.lock:
+            return sorted(
+                {(t.client_pid, t.pid_start) for t in self.tickets.values() if t.pid_start}
+            )
+
+    def process_gone(self, pid: int, start: int, now: float) -> list[Ticket]:
+        with self.lock:
+            gone = [t for t in self.tickets.values() if (t.client_pid, t.pid_start) == (pid, start)]
+            for ticket in gone:
+                if ticket.state is SlotState.held and self.on_reclaim is not None:
+                    self.on_reclaim("engine_gone")
+                self._drop(ticket.id, now)
+            return gone
+
+    def expire(self, now: float) -> list[Ticket]:
+        """Drop waiting tickets nobody asks for, and take back slots held past ``hold_s``."""
+        with self.lock:
+            stale = [t for t in self.tickets.values() if t.expires_at < now]
+            for ticket in stale:
+                if ticket.state is SlotState.held:
+                    log.warning(
+                        "start-up slot of %s held by pid %d for more than %.0f s: given to the "
+                        "next engine",
+                        ticket.device,
+                        ticket.client_pid,
+                        self.hold_s,
+                    )
+                    if self.on_reclaim is not None:
+                        self.on_reclaim("hold_expired")
+                self._drop(ticket.id, now)
+            return stale
+
+    def entries(self) -> list[tuple[Ticket, int]]:
+        with self.lock:
+            return [(t, self.ahead(t)) for t in self.tickets.values()]
+
+    def counts(self) -> dict[str, int]:
+        with self.lock:
+            counts = {state.value: 0 for state in SlotState}
+            for ticket in self.tickets.values():
+                counts[ticket.state.value] += 1
+            return counts
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _drop(self, ticket_id: str, now: float) -> None:
+        if self.tickets.pop(ticket_id, None) is not None:
+            self._changed(ticket_id)
+            self._grant(now)
+
+    def _grant(self, now: float) -> None:
+        """Grant every group that has asked with all its ranks, whose GPUs are free, and that
+        no earlier waiting group is queued before on any of them."""
+        held = {t.device for t in self.tickets.values() if t.state is SlotState.held}
+        queued: set[str] = set()  # GPUs an earlier group waits for
+        groups: dict[str, list[Ticket]] = {}
+        for ticket in self.tickets.values():
+            groups.setdefault(ticket.group, []).append(ticket)
+        for members in groups.values():
+            if any(t.state is SlotState.held for t in members):
+                continue
+            devices = {t.device for t in members}
+            complete = {t.tp_rank for t in members} == set(range(members[0].tp_size))
+            if not complete:
+                continue  # a partial group holds nobody back
+            if devices & (held | queued):
+                queued |= devices
+                continue
+            for ticket in members:
+                ticket.state = SlotState.held
+                ticket.granted_at = now
+                ticket.expires_at = now + self.hold_s
+                self._changed(ticket.id)
+            held |= devices
+
+    def _changed(self, ticket_id: str) -> None:
+        if self.on_change is not None:
+            self.on_change(ticket_id)

@@ -1,0 +1,162 @@
+"""``weight-cache parking``: see parked engines and start-up slots, release or cancel one."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+import click
+
+from weight_cache_cli.options import client_config, daemon_options
+
+if TYPE_CHECKING:
+    from engine_client.client import DaemonClient
+    from protocol.schemas.parking import ParkedEngine
+    from protocol.schemas.startup_slots import SlotTicket
+
+R = TypeVar("R")
+
+
+def _with_client(
+    url: str | None, uds: str | None, token_file: str | None, work: Callable[[DaemonClient], R]
+) -> R:
+    from engine_client.client import DaemonClient
+    from protocol.errors import WeightCacheError
+
+    try:
+        with DaemonClient(client_config(url, uds, token_file)) as client:
+            return work(client)
+    except WeightCacheError as exc:
+        raise click.ClickException(exc.explain(cli=True)) from exc
+
+
+def parked_engines(client: DaemonClient, method: str, path: str) -> list[ParkedEngine]:
+    from engine_client.client import ApiCall, parse_answers
+    from protocol.schemas.parking import ParkedEngine
+
+    return client.send(ApiCall(method, path, lambda r: parse_answers(ParkedEngine, r.content)))
+
+
+def slot_tickets(client: DaemonClient) -> list[SlotTicket]:
+    from engine_client.client import ApiCall, parse_answers
+    from protocol.schemas.startup_slots import SlotTicket
+
+    read = lambda r: parse_answers(SlotTicket, r.content)  # noqa: E731
+    return client.send(ApiCall("GET", "/v1/startup-slots", read))
+
+
+def _ago(unix_s: float | None) -> str:
+    return "-" if unix_s is None else f"{max(0.0, time.time() - unix_s):.0f} s ago"
+
+
+def print_parked(engines: list[ParkedEngine], tickets: list[SlotTicket]) -> None:
+    """Parked engines and start-up slot tickets as tables (nothing when there are none)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if engines:
+        table = Table(
+            "id", "model", "rank", "pid", "state", "parked", "cause", title="Parked engines"
+        )
+        for e in engines:
+            table.add_row(
+                e.id,
+                e.model,
+                f"{e.tp_rank}/{e.tp_size}",
+                str(e.client_pid),
+                e.state.value,
+                _ago(e.parked_at),
+                e.cause.value if e.cause else "-",
+            )
+        console.print(table)
+    if tickets:
+        table = Table(
+            "id", "device", "rank", "pid", "state", "ahead", "asked", title="Start-up slots"
+        )
+        for t in tickets:
+            table.add_row(
+                t.id,
+                t.device,
+                f"{t.tp_rank}/{t.tp_size}",
+                str(t.client_pid),
+                t.state.value,
+                str(t.ahead),
+                _ago(t.asked_at),
+            )
+        console.print(table)
+
+
+@click.group("parking", invoke_without_command=True)
+@daemon_options
+@click.pass_context
+def parking(ctx: click.Context, url: str | None, uds: str | None, token_file: str | None) -> None:
+    """Parked engines and start-up slots: list them (the default), release or cancel one.
+
+    \b
+    An engine parks with the loader option {"park": true}: it starts, then waits at its load
+    step until an engine on the same model ends, or until released here.
+    """
+    ctx.obj = (url, uds, token_file)
+    if ctx.invoked_subcommand is None:
+        engines, tickets = _with_client(
+            url,
+            uds,
+            token_file,
+            lambda c: (parked_engines(c, "GET", "/v1/parking"), slot_tickets(c)),
+        )
+        if not engines and not tickets:
+            click.echo("no parked engines, no start-up slots held or waited for")
+        print_parked(engines, tickets)
+
+
+Where = tuple[str | None, str | None, str | None]
+
+
+def _where(group: Where, url: str | None, uds: str | None, token_file: str | None) -> Where:
+    """The daemon a subcommand talks to: its own options, else the group's."""
+    return (url or group[0], uds or group[1], token_file or group[2])
+
+
+@parking.command("release")
+@click.argument("parked_id", required=False)
+@click.option("--model", help="Release the oldest engine parked for this model.")
+@click.option("--tp-size", type=int, help="With --model: only engines of this TP size.")
+@daemon_options
+@click.pass_obj
+def release(
+    group: Where,
+    parked_id: str | None,
+    model: str | None,
+    tp_size: int | None,
+    url: str | None,
+    uds: str | None,
+    token_file: str | None,
+) -> None:
+    """Release one parked engine (every TP rank): PARKED_ID, or the oldest of --model."""
+    if (parked_id is None) == (model is None):
+        raise click.UsageError("give a PARKED_ID or --model, not both")
+    if model is not None:
+        path = f"/v1/parking/models/{model}/release" + (f"?tp_size={tp_size}" if tp_size else "")
+    else:
+        path = f"/v1/parking/{parked_id}/release"
+    where = _where(group, url, uds, token_file)
+    released = _with_client(*where, lambda c: parked_engines(c, "POST", path))
+    print_parked(released, [])
+
+
+@parking.command("cancel")
+@click.argument("parked_id")
+@daemon_options
+@click.pass_obj
+def cancel(
+    group: Where, parked_id: str, url: str | None, uds: str | None, token_file: str | None
+) -> None:
+    """Cancel a parked engine (every TP rank): it falls back to vLLM's default loader, or fails
+    if its loader option "fallback" is false. To stop it outright, end its process (PID)."""
+    where = _where(group, url, uds, token_file)
+    cancelled = _with_client(
+        *where, lambda c: parked_engines(c, "POST", f"/v1/parking/{parked_id}/cancel")
+    )
+    print_parked(cancelled, [])
