@@ -451,6 +451,10 @@ class AsyncDaemonClient(_BaseClient):
     async def release(self, lease_id: str) -> None:
         await self._send(self._release(lease_id))
 
+    async def send(self, call: ApiCall[R]) -> R:
+        """A call built by another engine-side module (parking, start-up slots)."""
+        return await self._send(call)
+
 
 # What other engine-side modules build their calls with.
 ApiCall = _Call
