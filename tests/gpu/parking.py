@@ -1,0 +1,56 @@
+"""Parked engines as the proofs use them: the loader options that park an engine at its load
+step, and the daemon's list of parked engines (``GET /v1/parking``). Both are defined here once,
+so the proofs follow the daemon's API.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+PARKING_PATH = "/v1/parking"
+
+
+def park_options(timeout_s: float) -> dict[str, Any]:
+    """``--model-loader-extra-config`` keys that make an engine wait, built and holding no
+    weights, until the daemon releases it (or ``timeout_s`` passes)."""
+    return {"park": True, "park_timeout": timeout_s}
+
+
+def _pids(document: object) -> set[int]:
+    """Every process id the parking document names (``pid`` values, ``pids`` lists), however
+    it groups them (per model, per rank)."""
+    found: set[int] = set()
+    if isinstance(document, dict):
+        for key, value in document.items():
+            if key == "pid" and isinstance(value, int):
+                found.add(value)
+            elif key == "pids" and isinstance(value, list):
+                found.update(v for v in value if isinstance(v, int))
+            else:
+                found |= _pids(value)
+    elif isinstance(document, list):
+        for item in document:
+            found |= _pids(item)
+    return found
+
+
+def parked_pids(daemon_url: str) -> set[int] | None:
+    """The pids of the engines parked at the daemon now; None if it does not answer."""
+    try:
+        response = httpx.get(daemon_url + PARKING_PATH, timeout=2)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    return _pids(response.json())
+
+
+def parking_document(daemon_url: str) -> object:
+    """The daemon's parking resource as it answers it (for the summary)."""
+    try:
+        response = httpx.get(daemon_url + PARKING_PATH, timeout=2)
+        return response.json() if response.status_code == 200 else {"status": response.status_code}
+    except (httpx.HTTPError, ValueError) as exc:
+        return {"error": str(exc)}
