@@ -50,7 +50,6 @@ from tests.gpu.serve_report import evaluate, reference_tokens, render
 from tests.gpu.vllm_engine import PROMPTS
 
 SCENARIOS = ("restart", "parked", "standby", "daemon")
-SHAPE, SCHEME = "llama-8b", "fp8"
 ENGINE_START_S = 60.0  # a warm `vllm serve` of the 8B shape answered in 31-36 s on the H200
 COLD_EXTRA_S = 45.0  # torch.compile with an empty cache
 COLD_COMPILE_S = 15.0  # a start that compiled this long had no cache (warm: 1-3 s)
@@ -68,6 +67,9 @@ def compile_cache_has_entries() -> bool:
 
 
 class ServeProof:
+    shape, scheme = "llama-8b", "fp8"
+    checkpoint_device, daemon_device = "cuda", "cuda:0"
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.out, self.work = Path(args.out), Path(args.work)
@@ -89,7 +91,7 @@ class ServeProof:
         self.daemon: ServedDaemon | None = None
         self.keeper_pids: list[int] = []
         self.spare: ServeEngine | None = None  # a serving weight_cache engine to reuse
-        self.checkpoint = Path(args.root) / f"{SHAPE}-{SCHEME}"
+        self.checkpoint = Path(args.root) / f"{self.shape}-{self.scheme}"
         self.prompts: list[list[int]] = []
         self.lock = threading.Lock()
 
@@ -130,7 +132,8 @@ class ServeProof:
         else:
             start = time.monotonic()
             argv = [sys.executable, "-m", "weight_cache_cli", "demo-checkpoint"]
-            argv += [str(self.checkpoint), "--shape", SHAPE, "--scheme", SCHEME, "--device", "cuda"]
+            argv += [str(self.checkpoint), "--shape", self.shape, "--scheme", self.scheme]
+            argv += ["--device", self.checkpoint_device]
             subprocess.run(argv, env=self.env, check=True, timeout=max(30.0, self.left() - 60))
             written = round(time.monotonic() - start, 1)
             self.summary["checkpoint"] = {"path": str(self.checkpoint), "written_s": written}
@@ -143,10 +146,10 @@ class ServeProof:
         keeper = None if self.args.keeper == "none" else self.args.keeper
         command = DaemonCommand(
             port=free_port(),
-            device="cuda:0",
+            device=self.daemon_device,
             shm_dir=self.work / "shm",
             models=[self.checkpoint],
-            model_id=SHAPE,
+            model_id=self.shape,
             cuda_handles=self.args.cuda_handles,
             run_dir=self.work / "run" if keeper else None,
             keeper=keeper,
@@ -178,6 +181,15 @@ class ServeProof:
 
     # --- engines -------------------------------------------------------------------------------
 
+    def engine_argv(self, port: int, load_format: str, loader: dict[str, Any] | None) -> list[str]:
+        return vllm_serve_argv(
+            self.checkpoint,
+            port,
+            load_format,
+            loader=loader,
+            gpu_memory_utilization=self.args.gpu_memory_utilization,
+        )
+
     def start_engine(
         self, name: str, load_format: str, extra: dict[str, Any] | None = None
     ) -> ServeEngine:
@@ -186,13 +198,7 @@ class ServeProof:
         if load_format == "weight_cache":
             loader = loader_config(self.daemon.command.url, extra)
         port = free_port()
-        argv = vllm_serve_argv(
-            self.checkpoint,
-            port,
-            load_format,
-            loader=loader,
-            gpu_memory_utilization=self.args.gpu_memory_utilization,
-        )
+        argv = self.engine_argv(port, load_format, loader)
         engine = ServeEngine(name, argv, port, self.logs / f"{name}.log", self.env)
         self.started.append(engine)
         return engine

@@ -244,10 +244,11 @@ def side_by_side(summary: dict[str, Any]) -> list[str]:
     if standby:
         account = standby.get("account") or {}
         rows.append(
-            f"| hot standby (kill -9 of one of two engines under a stream) | 0 s: "
+            f"| hot standby (kill -9 of one of two engines under a stream) | none: "
             f"{account.get('failed', '-')} of {account.get('requests', '-')} requests failed, "
             f"slowest during the kill {_s(account.get('slowest_in_window_s'))} | "
-            f"{memory_cell(standby.get('memory'))} |"
+            f"{memory_cell(standby.get('memory'))}; the second engine "
+            f"{_gib(standby.get('second_engine_bytes'))} |"
         )
     return rows
 

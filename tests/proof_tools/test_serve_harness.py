@@ -1,0 +1,75 @@
+"""The restart proof's scenarios run end to end on a machine without a GPU, so its first GPU run
+is not the first time its code runs: the real daemon on the CPU twin (tiny checkpoint), real
+processes, Caddy, request streams and kills, with ``tests.gpu.token_server`` in the place of
+``vllm serve`` (its tokens come from the prompt alone, so "equal tokens" holds trivially here;
+the vLLM side is what the GPU run proves). The parked scenario needs the daemon's parking API
+and engines that park, so it runs on the GPU only."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.gpu.caddy_proxy import CADDYFILE, find_caddy
+from tests.gpu.serve_proof import ServeProof, parse_args
+from tests.proof_tools.test_serve_tools import TEST_CADDYFILE
+
+
+class HarnessOnCpu(ServeProof):
+    shape, scheme = "tiny", "fp8"
+    checkpoint_device, daemon_device = "cpu", "cpu"
+
+    def engine_argv(self, port: int, load_format: str, loader: dict[str, Any] | None) -> list[str]:
+        return [sys.executable, "-m", "tests.gpu.token_server", "--port", str(port)]
+
+
+def test_the_scenarios_run_and_write_their_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))  # empty: A0 runs first
+    monkeypatch.setenv("WEIGHT_CACHE_CACHE_DIR", str(tmp_path / "cache"))
+    scenarios = ["restart", "daemon"]
+    caddyfile = CADDYFILE
+    if find_caddy() is not None:
+        scenarios.insert(1, "standby")
+        if not caddyfile.exists():
+            caddyfile = tmp_path / "Caddyfile"
+            caddyfile.write_text(TEST_CADDYFILE)
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--root", str(tmp_path / "ckpt"), "--work", str(tmp_path / "w")]
+    argv += ["--scenarios", *scenarios, "--keeper", "none", "--after-kill-s", "1"]
+    argv += ["--caddyfile", str(caddyfile), "--budget-s", "900"]
+    code = HarnessOnCpu(parse_args(argv)).main()
+
+    summary = json.loads((out / "summary.json").read_text())
+    checks = {c["check"]: c["ok"] for c in summary["checks"]}
+    assert list(summary["runs"])[:5] == ["A0", "A1", "B1", "A2", "B2"]
+    for name in ("A0", "A1", "B1", "A2", "B2"):
+        run = summary["runs"][name]
+        assert run["ok"] and 0 < run["to_health_s"] <= run["to_first_token_s"], run
+        assert len(run["tokens"]) == 3
+    assert summary["runs"]["A0"]["cold"] and not summary["runs"]["A1"]["cold"]
+    assert checks["B1: token ids equal the default loader's"]
+    assert not summary["skipped"]
+
+    restart = summary["scenarios"]["daemon_restart"]
+    assert restart["new_daemon"]["ready"] and restart["adopt_s"] >= 0
+    assert restart["answered_without_daemon"] > 0
+    assert restart["account"]["failed"] == 0 and restart["account"]["wrong_tokens"] == 0
+    # No engine here leases from the daemon: there is no lease to take over, so the proof fails.
+    assert restart["leases_before"] == [] and restart["lease_taken_over"] is False
+    assert not checks["daemon restart: the engine's lease taken over"]
+    assert code == 1
+
+    if "standby" in scenarios:
+        standby = summary["scenarios"]["standby"]
+        assert standby["account"]["ok"] > 0 and standby["account"]["wrong_tokens"] == 0
+        assert standby["account"]["slowest_in_window_s"] is not None
+        assert restart["engine"] == "H2"  # the standby that survived served on
+    table = (out / "table.md").read_text()
+    assert "| A1 (auto) |" in table and "## The daemon killed and started again" in table
+    assert (out / "logs.tar.gz").stat().st_size > 0
