@@ -209,7 +209,7 @@ def runs_table(summary: dict[str, Any]) -> list[str]:
         if not run.get("ok"):
             label += f" failed: {run.get('error', '')[:60]}"
         rows.append(
-            f"| {label} | {loading} | {init} | {_s(at.get('first_line'))} | "
+            f"| {label} | {loading} | {init} | {_s(at.get('api_server_first_line'))} | "
             f"{_s(at.get('engine_core_first_line'))} | {_s(run.get('to_health_s'))} | "
             f"{_s(run.get('to_first_token_s'))} | {memory_cell(run.get('memory'))} |"
         )

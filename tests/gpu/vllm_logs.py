@@ -80,12 +80,12 @@ def _rounded(value: float | None) -> float | None:
 
 def serve_phases(lines: list[Line]) -> dict[str, Any]:
     """A ``vllm serve`` start read from its stamped lines: when (seconds after the process
-    started) the first line came, the EngineCore's first line, and the end of each phase in
-    ``PHASE_ENDS``; and the figures vLLM prints (GiB and seconds)."""
+    started) its first line came (a warning of an import, often), the API server's and the
+    EngineCore's first lines, and the end of each phase in ``PHASE_ENDS``; and the figures vLLM
+    prints (GiB and seconds)."""
     at: dict[str, float | None] = {"first_line": lines[0].t if lines else None}
-    at["engine_core_first_line"] = next(
-        (line.t for line in lines if line.text.startswith("(EngineCore")), None
-    )
+    for name, tag in (("api_server", "(APIServer"), ("engine_core", "(EngineCore")):
+        at[f"{name}_first_line"] = next((x.t for x in lines if x.text.startswith(tag)), None)
     for phase, pattern in PHASE_ENDS:
         at[phase] = next((line.t for line in lines if pattern.search(line.text)), None)
     text = "\n".join(line.text for line in lines)

@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,6 +95,7 @@ def test_read_chars_counts_what_a_process_reads(tmp_path: Path) -> None:
 # --- vLLM's lines --------------------------------------------------------------------------------
 
 SERVE_LOG = [
+    (5.9, "W1203 13:37:53.534000 32272 torch/_opaque_base.py:6] torch._opaque_base is deprecated"),
     (14.9, "(APIServer pid=4101) INFO 12-03 10:11:12 [utils.py:253] non-default args: {}"),
     (24.8, "(EngineCore pid=4230) INFO 12-03 10:11:25 [core.py:140] Initializing a V1 LLM engine"),
     (
@@ -142,7 +144,8 @@ SERVE_LOG = [
 def test_a_serve_log_reads_as_phases_and_figures() -> None:
     phases = serve_phases([Line(t, text) for t, text in SERVE_LOG])
     assert phases["at_s"] == {
-        "first_line": 14.9,
+        "first_line": 5.9,
+        "api_server_first_line": 14.9,
         "engine_core_first_line": 24.8,
         "load_start": 25.9,
         "model_loaded": 29.6,
@@ -383,12 +386,13 @@ def test_the_parked_goal_is_judged_against_the_warm_default_restart() -> None:
 
 
 def test_two_calls_merge_and_are_judged_together(tmp_path: Path) -> None:
-    call1 = {"config": {"scenarios": ["restart"]}, "runs": {"A1": _run("auto", 36.0, [[1]])}}
+    call1: dict[str, Any] = {"config": {"scenarios": ["restart"]}}
+    call1["runs"] = {"A1": _run("auto", 36.0, [[1]])}
     call1["checks"] = [{"check": "A1 answered", "ok": True}]
     parked = {"parked": True, "kill_to_first_token_s": 6.0, "tokens_equal": True}
     standby = {"account": {"requests": 40, "ok": 40, "failed": 0, "wrong_tokens": 0}}
-    call2 = {"runs": {"A1": _run("auto", 37.0, [[1]])}, "scenarios": {"parked": parked}}
-    call2["scenarios"]["standby"] = standby
+    call2: dict[str, Any] = {"runs": {"A1": _run("auto", 37.0, [[1]])}}
+    call2["scenarios"] = {"parked": parked, "standby": standby}
     call2["checks"] = [{"check": "stale judgment", "ok": False, "judged": True}]
     paths = []
     for i, call in enumerate((call1, call2)):
@@ -406,7 +410,7 @@ def test_two_calls_merge_and_are_judged_together(tmp_path: Path) -> None:
 
 
 def test_daemon_restart_goals() -> None:
-    restart = {
+    restart: dict[str, Any] = {
         "checkpoint_bytes": 9 << 30,
         "new_daemon": {"ready": True, "health_s": 3.1, "ready_s": 3.4, "read_bytes": 80 << 20},
         "adopt_s": 0.3,
