@@ -6,6 +6,8 @@ with the same command after a ``kill -9``.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
 import time
@@ -16,7 +18,7 @@ from typing import Any
 import httpx
 
 from engine_client.client import ClientConfig, DaemonClient
-from tests.gpu.processes import LoggedProcess, read_chars
+from tests.gpu.processes import LoggedProcess, process_tree, read_chars
 
 
 @dataclass
@@ -78,6 +80,7 @@ class ServedDaemon:
             self.command.run_dir.mkdir(parents=True, exist_ok=True)
         self.keeper: LoggedProcess | None = None
         self.runs: list[LoggedProcess] = []
+        self.spawned: set[int] = set()  # processes a daemon started (``--keeper auto``'s keeper)
 
     @property
     def process(self) -> LoggedProcess:
@@ -114,6 +117,7 @@ class ServedDaemon:
                 figures[f"{path[1:]}_s"] = round(proc.since_start(), 3)
         figures["ready"] = True
         figures["read_bytes"] = read_chars(proc.pid)
+        self.spawned.update(process_tree(proc.pid)[1:])
         figures["models"] = [
             {
                 "id": m.id,
@@ -137,8 +141,16 @@ class ServedDaemon:
         self.process.wait_exit(10)
         return moment
 
+    def keeper_pids(self) -> list[int]:
+        """The keeper's process, started here (external) or by a daemon (auto)."""
+        return ([self.keeper.pid] if self.keeper else []) + sorted(self.spawned)
+
     def stop(self) -> None:
+        """Stop the daemon, then its keeper (SIGTERM: it lets go of everything it holds)."""
         for proc in self.runs:
             proc.stop(grace_s=20)
         if self.keeper is not None:
             self.keeper.stop(grace_s=10)
+        for pid in self.spawned:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)

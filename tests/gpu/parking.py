@@ -18,22 +18,18 @@ def park_options(timeout_s: float) -> dict[str, Any]:
     return {"park": True, "park_timeout": timeout_s}
 
 
-def _pids(document: object) -> set[int]:
-    """Every process id the parking document names (``pid`` values, ``pids`` lists), however
-    it groups them (per model, per rank)."""
-    found: set[int] = set()
-    if isinstance(document, dict):
-        for key, value in document.items():
-            if key == "pid" and isinstance(value, int):
-                found.add(value)
-            elif key == "pids" and isinstance(value, list):
-                found.update(v for v in value if isinstance(v, int))
-            else:
-                found |= _pids(value)
-    elif isinstance(document, list):
-        for item in document:
-            found |= _pids(item)
-    return found
+def parked_now(document: object) -> set[int]:
+    """The pids of the engines (ranks) still waiting in a ``GET /v1/parking`` answer: a list
+    of ``ParkedEngine`` (``client_pid``, ``state``; released ones stay listed a while)."""
+    if not isinstance(document, list):
+        return set()
+    return {
+        entry["client_pid"]
+        for entry in document
+        if isinstance(entry, dict)
+        and entry.get("state") == "parked"
+        and isinstance(entry.get("client_pid"), int)
+    }
 
 
 def parked_pids(daemon_url: str) -> set[int] | None:
@@ -44,7 +40,7 @@ def parked_pids(daemon_url: str) -> set[int] | None:
         return None
     if response.status_code != 200:
         return None
-    return _pids(response.json())
+    return parked_now(response.json())
 
 
 def parking_document(daemon_url: str) -> object:

@@ -44,7 +44,6 @@ from tests.gpu.completions import RequestStream, StreamAccount
 from tests.gpu.daemon_runner import DaemonCommand, ServedDaemon
 from tests.gpu.gpu_memory import held_by, used_by_pid
 from tests.gpu.parking import park_options, parked_pids, parking_document
-from tests.gpu.processes import process_tree
 from tests.gpu.serve_engine import ServeEngine, loader_config, serve_environment, vllm_serve_argv
 from tests.gpu.serve_report import evaluate, reference_tokens, render
 from tests.gpu.vllm_engine import PROMPTS
@@ -89,7 +88,6 @@ class ServeProof:
         self.started: list[ServeEngine] = []
         self.proxies: list[CaddyProxy] = []
         self.daemon: ServedDaemon | None = None
-        self.keeper_pids: list[int] = []
         self.spare: ServeEngine | None = None  # a serving weight_cache engine to reuse
         self.checkpoint = Path(args.root) / f"{self.shape}-{self.scheme}"
         self.prompts: list[list[int]] = []
@@ -160,10 +158,6 @@ class ServeProof:
         self.summary["daemon"] = figures
         ready = bool(figures.get("ready"))
         self.check("daemon ready with the checkpoint", ready, None if ready else figures)
-        if ready:
-            tree = process_tree(self.daemon.process.pid)[1:]
-            external = [self.daemon.keeper.pid] if self.daemon.keeper else []
-            self.keeper_pids = external + tree
         return ready
 
     def memory(self, *engines: ServeEngine) -> dict[str, int]:
@@ -171,9 +165,11 @@ class ServeProof:
         used = used_by_pid()
         if used is None:
             return {}
-        groups: dict[str, list[int]] = {"keeper": self.keeper_pids}
-        if self.daemon is not None and self.daemon.process.alive():
-            groups["daemon"] = [self.daemon.process.pid]
+        groups: dict[str, list[int]] = {}
+        if self.daemon is not None:
+            groups["keeper"] = self.daemon.keeper_pids()
+            if self.daemon.process.alive():
+                groups["daemon"] = [self.daemon.process.pid]
         held = held_by(groups, used)
         for engine in engines:
             held.update(engine.memory(used))

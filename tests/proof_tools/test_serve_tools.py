@@ -21,7 +21,7 @@ from tests.gpu.caddy_proxy import CADDYFILE, CaddyProxy, find_caddy
 from tests.gpu.completions import RequestStream, StreamAccount
 from tests.gpu.daemon_runner import DaemonCommand, ServedDaemon
 from tests.gpu.gpu_memory import held_by, parse_compute_apps
-from tests.gpu.parking import _pids
+from tests.gpu.parking import parked_now
 from tests.gpu.processes import Line, LoggedProcess, process_tree, read_chars
 from tests.gpu.serve_engine import ServeEngine, loader_config, vllm_serve_argv
 from tests.gpu.token_server import tokens_for
@@ -200,10 +200,15 @@ def test_compute_apps_are_read_per_pid_in_bytes() -> None:
     }
 
 
-def test_parked_pids_are_found_however_the_document_groups_them() -> None:
-    document = {"models": [{"id": "m", "ranks": [{"pids": [11, 12]}, {"engines": [{"pid": 13}]}]}]}
-    assert _pids(document) == {11, 12, 13}
-    assert _pids([{"pid": "x"}, {"count": 2}]) == set()
+def test_parked_pids_are_those_still_waiting() -> None:
+    document = [
+        {"id": "a.1", "client_pid": 11, "state": "parked", "tp_rank": 0},
+        {"id": "a.2", "client_pid": 12, "state": "released", "cause": "reaped"},
+        {"id": "b.1", "client_pid": 13, "state": "parked"},
+    ]
+    assert parked_now(document) == {11, 13}
+    assert parked_now({"detail": "not found"}) == set()
+    assert parked_now([{"client_pid": "x", "state": "parked"}]) == set()
 
 
 # --- requests ------------------------------------------------------------------------------------
