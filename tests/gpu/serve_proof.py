@@ -141,7 +141,7 @@ class ServeProof:
         self.prompts = [[i % vocab for i in ids] for ids in PROMPTS]
 
     def start_daemon(self) -> bool:
-        keeper = None if self.args.keeper == "none" else self.args.keeper
+        keeper = None if self.args.keeper == "unset" else self.args.keeper
         command = DaemonCommand(
             port=free_port(),
             device=self.daemon_device,
@@ -406,6 +406,9 @@ class ServeProof:
                         self.check(f"{scenario}: ran to its end", False, [repr(exc), *tail])
         finally:
             self.stop_all()
+            kept_log = self.work / "run" / "keeper.log"  # where a keeper started by a daemon logs
+            if kept_log.exists():
+                (self.logs / "keeper-auto.log").write_bytes(kept_log.read_bytes())
             self.summary["checks"] += [dict(c, judged=True) for c in evaluate(self.summary)]
             with tarfile.open(self.out / "logs.tar.gz", "w:gz") as tar:
                 tar.add(self.logs, arcname="logs")
@@ -431,7 +434,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--caddyfile", type=Path, default=CADDYFILE)
     p.add_argument("--caddy", help="the caddy binary (default: found on PATH or sys.path)")
-    p.add_argument("--keeper", choices=["auto", "external", "none"], default="auto")
+    p.add_argument(
+        "--keeper",
+        choices=["auto", "external", "off", "unset"],
+        default="auto",
+        help="the daemon's --keeper (with --run-dir under --work); unset: neither flag passed",
+    )
     p.add_argument("--cuda-handles", choices=["fd", "ipc"], help="default: the daemon's")
     p.add_argument("--park-timeout", type=float, default=600)
     p.add_argument("--after-kill-s", type=float, default=8, help="standby: stream after the kill")

@@ -41,7 +41,8 @@ def test_the_scenarios_run_and_write_their_results(
             caddyfile.write_text(TEST_CADDYFILE)
     out = tmp_path / "out"
     argv = ["--out", str(out), "--root", str(tmp_path / "ckpt"), "--work", str(tmp_path / "w")]
-    argv += ["--scenarios", *scenarios, "--keeper", "none", "--after-kill-s", "1"]
+    # A daemon without a keeper: its restart loads the checkpoint again.
+    argv += ["--scenarios", *scenarios, "--keeper", "unset", "--after-kill-s", "1"]
     argv += ["--caddyfile", str(caddyfile), "--budget-s", "900"]
     code = HarnessOnCpu(parse_args(argv)).main()
 
