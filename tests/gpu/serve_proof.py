@@ -206,6 +206,7 @@ class ServeProof:
         record its phases and GPU memory under ``runs``."""
         engine = self.start_engine(name, load_format)
         run: dict[str, Any] = {"scenario": scenario, "load_format": load_format, "ok": False}
+        run["pid"] = engine.process.pid
         self.summary["runs"][name] = run
         health = engine.wait_health(min(HEALTH_TIMEOUT_S, self.left() - RESERVE_S))
         if health is None:
@@ -220,6 +221,7 @@ class ServeProof:
             run["tokens"] = [a.tokens for a in answers] if run["ok"] else None
             run["errors"] = [a.error for a in answers if not a.ok] or None
             run["memory"] = self.memory(engine)
+            run["processes"] = engine.roles()
         run["phases"] = engine.phases()
         run["cold"] = warming or run["phases"].get("compilation_s", 0.0) > COLD_COMPILE_S
         self.check(f"{name}: vllm serve ({load_format}) answered", run["ok"], run.get("error"))

@@ -1,9 +1,12 @@
 """A small HTTP server that answers the two routes the restart proof uses of ``vllm serve``
 (``GET /health``, ``POST /v1/completions`` with ``return_token_ids``), with token ids computed
 from the prompt, so the proof's processes, proxy, request streams and accounting run on a machine
-without a GPU. It stands for no part of vLLM: tests of the proof's own code use it.
+without a GPU. With ``--attach`` it first leases the model from the daemon as an engine does (the
+project's client: a real lease, kept alive while it serves). It stands for no part of vLLM: tests
+of the proof's own code use it.
 
 usage: python -m tests.gpu.token_server --port P [--delay-s S]
+       [--attach DAEMON_URL --checkpoint DIR --model ID]
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 
@@ -54,15 +58,36 @@ class Handler(BaseHTTPRequestHandler):
         pass  # one line per request would flood the proof's logs
 
 
+def attach(url: str, checkpoint: Path, model: str) -> object:
+    """Lease ``model`` as an engine does (no fallback); what is returned keeps the lease."""
+    import torch
+
+    from engine_client.checkpoint_read import attach_or_read
+    from engine_client.client import ClientConfig
+    from engine_client.verify import Expectations
+
+    expect = Expectations.for_checkpoint(checkpoint, torch.device("cpu"))
+    weights = attach_or_read(
+        model, checkpoint, expect, config=ClientConfig(url=url), fallback=False
+    )
+    print(f"attached {len(weights.tensors)} tensors of {model}", flush=True)
+    return weights
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--delay-s", type=float, default=0.01)
+    p.add_argument("--attach", metavar="DAEMON_URL")
+    p.add_argument("--checkpoint", type=Path)
+    p.add_argument("--model")
     args = p.parse_args()
+    held = attach(args.attach, args.checkpoint, args.model) if args.attach else None
     Handler.delay_s = args.delay_s
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
     print(f"token server listening on {args.port}", flush=True)
     server.serve_forever()
+    del held
     return 0
 
 

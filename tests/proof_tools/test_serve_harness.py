@@ -24,7 +24,11 @@ class HarnessOnCpu(ServeProof):
     checkpoint_device, daemon_device = "cpu", "cpu"
 
     def engine_argv(self, port: int, load_format: str, loader: dict[str, Any] | None) -> list[str]:
-        return [sys.executable, "-m", "tests.gpu.token_server", "--port", str(port)]
+        argv = [sys.executable, "-m", "tests.gpu.token_server", "--port", str(port)]
+        if loader is not None:  # weight_cache: lease the model as the engine would
+            argv += ["--attach", loader["url"], "--checkpoint", str(self.checkpoint)]
+            argv += ["--model", self.shape]
+        return argv
 
 
 def test_the_scenarios_run_and_write_their_results(
@@ -61,8 +65,10 @@ def test_the_scenarios_run_and_write_their_results(
     assert restart["new_daemon"]["ready"] and restart["adopt_s"] >= 0
     assert restart["answered_without_daemon"] > 0
     assert restart["account"]["failed"] == 0 and restart["account"]["wrong_tokens"] == 0
-    # No engine here leases from the daemon: there is no lease to take over, so the proof fails.
-    assert restart["leases_before"] == [] and restart["lease_taken_over"] is False
+    engine = summary["runs"][restart["engine"]]
+    assert [pid for _, pid in restart["leases_before"]] == [engine["pid"]]
+    # A daemon without a keeper loads the checkpoint again and knows no lease: the proof fails.
+    assert restart["leases_after"] == [] and restart["lease_taken_over"] is False
     assert not checks["daemon restart: the engine's lease taken over"]
     assert code == 1
 
