@@ -2,11 +2,12 @@
 (``GET /health``, ``POST /v1/completions`` with ``return_token_ids``), with token ids computed
 from the prompt, so the proof's processes, proxy, request streams and accounting run on a machine
 without a GPU. With ``--attach`` it first leases the model from the daemon as an engine does (the
-project's client: a real lease, kept alive while it serves). It stands for no part of vLLM: tests
-of the proof's own code use it.
+project's client: a real lease, kept alive while it serves); with ``--park`` it parks with the
+daemon before that, listening on no port until released. It stands for no part of vLLM: tests of
+the proof's own code use it.
 
 usage: python -m tests.gpu.token_server --port P [--delay-s S]
-       [--attach DAEMON_URL --checkpoint DIR --model ID]
+       [--attach DAEMON_URL --checkpoint DIR --model ID [--park]]
 """
 
 from __future__ import annotations
@@ -81,7 +82,16 @@ def main() -> int:
     p.add_argument("--attach", metavar="DAEMON_URL")
     p.add_argument("--checkpoint", type=Path)
     p.add_argument("--model")
+    p.add_argument("--park", action="store_true")
     args = p.parse_args()
+    if args.park:
+        from tests.gpu.parking import park_and_wait
+
+        print("parking", flush=True)
+        state = park_and_wait(args.attach, args.model, timeout_s=600)
+        print(f"park ended: {state}", flush=True)
+        if state != "released":
+            return 1
     held = attach(args.attach, args.checkpoint, args.model) if args.attach else None
     Handler.delay_s = args.delay_s
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)

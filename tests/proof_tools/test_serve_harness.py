@@ -27,7 +27,7 @@ class HarnessOnCpu(ServeProof):
         argv = [sys.executable, "-m", "tests.gpu.token_server", "--port", str(port)]
         if loader is not None:  # weight_cache: lease the model as the engine would
             argv += ["--attach", loader["url"], "--checkpoint", str(self.checkpoint)]
-            argv += ["--model", self.shape]
+            argv += ["--model", self.shape] + (["--park"] if loader.get("park") else [])
         return argv
 
 
