@@ -2,11 +2,13 @@
 is not the first time its code runs: the real daemon on the CPU twin (tiny checkpoint), real
 processes, Caddy, request streams and kills, with ``tests.gpu.token_server`` in the place of
 ``vllm serve`` (its tokens come from the prompt alone, so "equal tokens" holds trivially here;
-the vLLM side is what the GPU run proves). The parked scenario needs the daemon's parking API
-and engines that park, so it runs on the GPU only."""
+the vLLM side is what the GPU run proves). Stand-ins for ``weight_cache`` engines lease the
+model through the project's client, and park through the daemon's parking API where the daemon
+has one."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -31,27 +33,33 @@ class HarnessOnCpu(ServeProof):
         return argv
 
 
+# What the daemon offers decides what can run here: parking (``/v1/parking``) and a keeper
+# (``--keeper``) each come with their modules.
+HAS_PARKING = importlib.util.find_spec("protocol.schemas.parking") is not None
+HAS_KEEPER = importlib.util.find_spec("service.keeper") is not None
+
+
 def test_the_scenarios_run_and_write_their_results(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))  # empty: A0 runs first
     monkeypatch.setenv("WEIGHT_CACHE_CACHE_DIR", str(tmp_path / "cache"))
-    scenarios = ["restart", "daemon"]
+    scenarios = ["restart"]
     caddyfile = CADDYFILE
     if find_caddy() is not None:
-        scenarios.insert(1, "standby")
+        scenarios += ["parked", "standby"] if HAS_PARKING else ["standby"]
         if not caddyfile.exists():
             caddyfile = tmp_path / "Caddyfile"
             caddyfile.write_text(TEST_CADDYFILE)
+    scenarios.append("daemon")
     out = tmp_path / "out"
     argv = ["--out", str(out), "--root", str(tmp_path / "ckpt"), "--work", str(tmp_path / "w")]
-    # A daemon without a keeper: its restart loads the checkpoint again.
-    argv += ["--scenarios", *scenarios, "--keeper", "unset", "--after-kill-s", "1"]
-    argv += ["--caddyfile", str(caddyfile), "--budget-s", "900"]
+    argv += ["--scenarios", *scenarios, "--keeper", "auto" if HAS_KEEPER else "unset"]
+    argv += ["--caddyfile", str(caddyfile), "--budget-s", "900", "--after-kill-s", "1"]
     code = HarnessOnCpu(parse_args(argv)).main()
 
     summary = json.loads((out / "summary.json").read_text())
-    checks = {c["check"]: c["ok"] for c in summary["checks"]}
+    checks = {c["check"].split(" (")[0]: c["ok"] for c in summary["checks"]}
     assert list(summary["runs"])[:5] == ["A0", "A1", "B1", "A2", "B2"]
     for name in ("A0", "A1", "B1", "A2", "B2"):
         run = summary["runs"][name]
@@ -67,9 +75,23 @@ def test_the_scenarios_run_and_write_their_results(
     assert restart["account"]["failed"] == 0 and restart["account"]["wrong_tokens"] == 0
     engine = summary["runs"][restart["engine"]]
     assert [pid for _, pid in restart["leases_before"]] == [engine["pid"]]
-    # A daemon without a keeper loads the checkpoint again and knows no lease: the proof fails.
-    assert restart["leases_after"] == [] and restart["lease_taken_over"] is False
-    assert not checks["daemon restart: the engine's lease taken over"]
+    assert restart["lease_taken_over"] is HAS_KEEPER  # without one, a new daemon knows no lease
+
+    # What cannot hold on this machine: Python's own reads outweigh the tiny checkpoint; a parked
+    # stand-in is released by the reaper's next sweep (a second), its model a few seconds of
+    # imports away, never a quarter of a stand-in's start.
+    expected_failures = {"daemon restart: the new daemon did not read the checkpoint"}
+    if not HAS_KEEPER:
+        expected_failures.add("daemon restart: the engine's lease taken over")
+    if "parked" in scenarios:
+        expected_failures.add(
+            "parked: kill -9 -> first token <= 1/4 of the default loader's restart"
+        )
+        parked = summary["scenarios"]["parked"]
+        assert parked["parked"] and parked["tokens_equal"], parked
+        assert parked["kill_to_first_token_s"] > 0
+        assert parked["parking"][0]["state"] == "parked"
+    assert {name for name, ok in checks.items() if not ok} == expected_failures
     assert code == 1
 
     if "standby" in scenarios:
