@@ -54,6 +54,10 @@ COLD_EXTRA_S = 45.0  # torch.compile with an empty cache
 COLD_COMPILE_S = 15.0  # a start that compiled this long had no cache (warm: 1-3 s)
 RESERVE_S = 30.0  # stopping everything and writing the results
 HEALTH_TIMEOUT_S = 300.0
+WRITE_CHECKPOINT = (
+    "import sys; from pathlib import Path; from service.demo import write_demo_checkpoint; "
+    "write_demo_checkpoint(Path(sys.argv[1]), sys.argv[2], sys.argv[3], device=sys.argv[4])"
+)
 
 
 def compile_cache_has_entries() -> bool:
@@ -125,13 +129,14 @@ class ServeProof:
     # --- set-up --------------------------------------------------------------------------------
 
     def write_checkpoint(self) -> None:
+        """The demo checkpoint (``service.demo``), written once, in a process of its own (the
+        GPU memory it draws with goes with it)."""
         if (self.checkpoint / "config.json").exists():
             self.summary["checkpoint"] = {"path": str(self.checkpoint), "written_s": None}
         else:
             start = time.monotonic()
-            argv = [sys.executable, "-m", "weight_cache_cli", "demo-checkpoint"]
-            argv += [str(self.checkpoint), "--shape", self.shape, "--scheme", self.scheme]
-            argv += ["--device", self.checkpoint_device]
+            argv = [sys.executable, "-c", WRITE_CHECKPOINT, str(self.checkpoint)]
+            argv += [self.scheme, self.shape, self.checkpoint_device]
             subprocess.run(argv, env=self.env, check=True, timeout=max(30.0, self.left() - 60))
             written = round(time.monotonic() - start, 1)
             self.summary["checkpoint"] = {"path": str(self.checkpoint), "written_s": written}
