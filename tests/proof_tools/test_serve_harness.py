@@ -102,3 +102,21 @@ def test_the_scenarios_run_and_write_their_results(
     table = (out / "table.md").read_text()
     assert "| A1 (auto) |" in table and "## The daemon killed and started again" in table
     assert (out / "logs.tar.gz").stat().st_size > 0
+
+
+def test_a_scenario_that_fails_is_reported_and_leaves_the_gpu_to_the_next(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--root", str(tmp_path / "ckpt"), "--work", str(tmp_path / "w")]
+    argv += ["--scenarios", "standby", "daemon", "--keeper", "auto" if HAS_KEEPER else "unset"]
+    argv += ["--caddy", str(tmp_path / "no-caddy"), "--budget-s", "900"]
+    assert HarnessOnCpu(parse_args(argv)).main() == 1
+
+    summary = json.loads((out / "summary.json").read_text())
+    failed = [c for c in summary["checks"] if not c["ok"]]
+    assert failed[0]["check"] == "standby: ran to its end"
+    assert "no caddy binary" in failed[0]["detail"][0]
+    for name in ("H1", "H2"):  # started, answered, then stopped with the failed scenario
+        assert summary["runs"][name]["ok"]
+        assert not Path(f"/proc/{summary['runs'][name]['pid']}").exists()
+    restart = summary["scenarios"]["daemon_restart"]
+    assert restart["engine"] == "D1" and restart["account"]["failed"] == 0
