@@ -160,6 +160,7 @@ class ServeProof:
         self.daemon = ServedDaemon(command, self.logs, self.env)
         self.daemon.start()
         figures = self.daemon.wait_ready(min(240.0, self.left() - RESERVE_S))
+        figures["memory"] = self.memory()  # idle after its load
         self.summary["daemon"] = figures
         ready = bool(figures.get("ready"))
         self.check("daemon ready with the checkpoint", ready, None if ready else figures)
@@ -368,6 +369,7 @@ class ServeProof:
         expected = self.expected() or engine.ask(self.prompts[0]).tokens
         with self.daemon.client() as client:
             restart["leases_before"] = [(x.id, x.client_pid) for x in client.leases()]
+        restart["memory_before"] = self.memory(engine)
         stream = RequestStream(engine.url, self.prompts[0], workers=1).start()
         self.stream_until(stream, 3, time.monotonic(), "from the engine")
         killed = self.daemon.kill()
@@ -388,7 +390,7 @@ class ServeProof:
         self.stream_until(stream, 3, time.monotonic(), "after the new daemon")
         answers = stream.stop()
         restart["account"] = StreamAccount.of(answers, expected, event=killed).as_dict()
-        restart["memory"] = self.memory(engine)
+        restart["memory_after"] = self.memory(engine)
         engine.stop()
 
     # --- the whole proof -----------------------------------------------------------------------

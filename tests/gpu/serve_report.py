@@ -19,6 +19,7 @@ from typing import Any
 GIB = 1 << 30
 PARKED_GOAL = 0.25  # parked restart at most this fraction of the default loader's restart
 ADOPT_GOAL_S = 1.0  # a new daemon finds its models ready within this, counted from /health
+DAEMON_OVERHEAD = GIB  # the daemon's GPU memory beyond its resident weights, at most
 
 
 def _median(values: Iterable[float | None]) -> float | None:
@@ -139,10 +140,26 @@ def _daemon_checks(restart: dict[str, Any]) -> list[dict[str, Any]]:
     return checks
 
 
+def _daemon_memory_checks(daemon: dict[str, Any]) -> list[dict[str, Any]]:
+    """The daemon's own GPU memory, idle after its load: the resident weights and at most
+    ``DAEMON_OVERHEAD`` more (where the driver was asked)."""
+    held, models = (daemon.get("memory") or {}).get("daemon"), daemon.get("models") or []
+    if held is None or not models:
+        return []
+    resident = sum(m.get("bytes_resident") or 0 for m in models)
+    return [
+        _check(
+            f"daemon: GPU memory at most the resident weights + 1 GiB ({_gib(held)} for "
+            f"{_gib(resident)})",
+            held <= resident + DAEMON_OVERHEAD,
+        )
+    ]
+
+
 def evaluate(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """The checks the figures decide: tokens against the default loader's, and each scenario's
-    goals (parked restart, no failed request, daemon re-adoption)."""
-    checks = _token_checks(summary)
+    """The checks the figures decide: tokens against the default loader's, the daemon's memory,
+    and each scenario's goals (parked restart, no failed request, daemon re-adoption)."""
+    checks = _token_checks(summary) + _daemon_memory_checks(summary.get("daemon") or {})
     scenarios = summary.get("scenarios", {})
     if "parked" in scenarios:
         checks += _parked_checks(scenarios["parked"], restart_to_first_token(summary, "auto"))
@@ -157,8 +174,13 @@ def merge(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One summary from several calls' (later calls' runs and scenarios added; checks taken as
     each call made them, then judged again on the whole)."""
     merged: dict[str, Any] = {"calls": [], "runs": {}, "scenarios": {}, "checks": []}
+    merged["skipped"] = []
     for index, summary in enumerate(summaries, 1):
         merged["calls"].append(summary.get("config", {}))
+        for key in ("daemon", "checkpoint"):  # the first call's
+            if summary.get(key) and key not in merged:
+                merged[key] = summary[key]
+        merged["skipped"] += summary.get("skipped", [])
         for name, run in summary.get("runs", {}).items():
             merged["runs"][name if name not in merged["runs"] else f"{name}.call{index}"] = run
         merged["scenarios"].update(summary.get("scenarios", {}))
@@ -272,6 +294,14 @@ def daemon_table(restart: dict[str, Any]) -> list[str]:
 def render(summary: dict[str, Any]) -> str:
     """The markdown the proof writes beside its summary."""
     out = ["# `vllm serve` restarts with and without weight-cache", ""]
+    daemon = summary.get("daemon") or {}
+    if daemon.get("ready"):
+        out += [
+            f"The daemon: /health {_s(daemon.get('health_s'))}, ready {_s(daemon.get('ready_s'))} "
+            f"after its start; GPU memory idle after the load: "
+            f"{memory_cell(daemon.get('memory'))}.",
+            "",
+        ]
     if summary.get("runs"):
         out += ["## Restart to first token, side by side", "", *side_by_side(summary), ""]
         out += ["## Each `vllm serve` start (seconds from the process's start)", ""]

@@ -440,3 +440,13 @@ def test_daemon_restart_goals() -> None:
     assert "| 3.1 s | 3.4 s | 0.3 s |" in serve_report.render(
         {"scenarios": {"daemon_restart": restart}}
     )
+
+
+def test_the_daemon_holds_its_weights_and_at_most_a_gibibyte_more() -> None:
+    models = [{"id": "llama-8b", "bytes_resident": 9_081_266_176}]
+    lean = {"ready": True, "models": models, "memory": {"daemon": 9_800_000_000}}
+    fat = dict(lean, memory={"daemon": 19_252 << 20, "keeper": 0})
+    assert [c["ok"] for c in serve_report.evaluate({"daemon": lean})] == [True]
+    assert [c["ok"] for c in serve_report.evaluate({"daemon": fat})] == [False]
+    assert serve_report.evaluate({"daemon": dict(lean, memory={})}) == []  # no driver asked
+    assert "daemon 18.80 GiB" in serve_report.render({"daemon": fat})
