@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -77,6 +78,7 @@ class ServeProof:
         self.args = args
         self.out, self.work = Path(args.out), Path(args.work)
         self.logs = self.work / "logs"
+        shutil.rmtree(self.logs, ignore_errors=True)  # this run's logs only
         for d in (self.out, self.logs):
             d.mkdir(parents=True, exist_ok=True)
         self.deadline = time.monotonic() + float(args.budget_s)

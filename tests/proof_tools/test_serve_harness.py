@@ -21,6 +21,9 @@ from tests.gpu.serve_proof import ServeProof, parse_args
 from tests.proof_tools.test_serve_tools import TEST_CADDYFILE
 
 
+pytestmark = pytest.mark.slow
+
+
 class HarnessOnCpu(ServeProof):
     shape, scheme = "tiny", "fp8"
     checkpoint_device, daemon_device = "cpu", "cpu"
