@@ -20,7 +20,6 @@ from tests.gpu.caddy_proxy import CADDYFILE, find_caddy
 from tests.gpu.serve_proof import ServeProof, parse_args
 from tests.proof_tools.test_serve_tools import TEST_CADDYFILE
 
-
 pytestmark = pytest.mark.slow
 
 
