@@ -258,6 +258,14 @@ class ServeProof:
             raise RuntimeError(f"the proxy did not listen: {proxy.process.text()[-500:]}")
         return proxy
 
+    def stream(self, url: str, workers: int, pause_s: float = 0.05) -> RequestStream:
+        """Requests of the first prompt to ``url``; none may outlast the time left (a stream
+        stops once the requests in flight are answered)."""
+        timeout = max(5.0, min(60.0, self.left() - RESERVE_S))
+        return RequestStream(
+            url, self.prompts[0], workers=workers, pause_s=pause_s, timeout_s=timeout
+        )
+
     def stream_until(self, stream: RequestStream, count: int, since: float, what: str) -> None:
         if not stream.wait_answered(count, since, min(60.0, self.left() - RESERVE_S)):
             raise RuntimeError(f"{what}: fewer than {count} answers")
@@ -304,10 +312,10 @@ class ServeProof:
         proxy = self.start_proxy([serving, waiting])
         expected = self.expected() or run["tokens"][0]
         since = time.monotonic()
-        with RequestStream(proxy.url, self.prompts[0], workers=1) as before:
+        with self.stream(proxy.url, workers=1) as before:
             self.stream_until(before, 3, since, "through the proxy")
         killed = serving.kill()
-        after = RequestStream(proxy.url, self.prompts[0], workers=1, pause_s=0.02).start()
+        after = self.stream(proxy.url, workers=1, pause_s=0.02).start()
         after.wait_answered(3, killed, min(180.0, self.left() - RESERVE_S))
         answers = after.stop()
         account = StreamAccount.of(answers, expected, event=killed)
@@ -342,9 +350,7 @@ class ServeProof:
         )
         proxy = self.start_proxy([first, second])
         expected = self.expected() or run1["tokens"][0]
-        stream = RequestStream(
-            proxy.url, self.prompts[0], workers=self.args.stream_workers, pause_s=0.02
-        ).start()
+        stream = self.stream(proxy.url, self.args.stream_workers, pause_s=0.02).start()
         self.stream_until(stream, 6, time.monotonic(), "through the proxy")
         killed = first.kill()
         threading.Event().wait(self.args.after_kill_s)  # the window the stream is observed in
@@ -372,7 +378,7 @@ class ServeProof:
         with self.daemon.client() as client:
             restart["leases_before"] = [(x.id, x.client_pid) for x in client.leases()]
         restart["memory_before"] = self.memory(engine)
-        stream = RequestStream(engine.url, self.prompts[0], workers=1).start()
+        stream = self.stream(engine.url, workers=1).start()
         self.stream_until(stream, 3, time.monotonic(), "from the engine")
         killed = self.daemon.kill()
         self.stream_until(stream, 3, killed, "with no daemon")

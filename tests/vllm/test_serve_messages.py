@@ -124,3 +124,16 @@ def test_completions_return_token_ids() -> None:
 
     assert "return_token_ids" in CompletionRequest.model_fields
     assert "token_ids" in CompletionResponseChoice.model_fields
+
+
+def test_the_command_and_the_compile_cache_the_proof_relies_on() -> None:
+    from vllm import envs
+    from vllm.entrypoints.cli.main import main
+
+    from tests.gpu.serve_engine import VLLM_MAIN
+
+    assert callable(main) and "vllm.entrypoints.cli.main import main" in VLLM_MAIN
+    # serve_proof.compile_cache_has_entries looks where vLLM keeps torch.compile's artifacts.
+    assert "VLLM_CACHE_ROOT" in envs.environment_variables
+    assert '"torch_compile_cache"' in _source("vllm.compilation.backends")
+    assert "VLLM_USE_FLASHINFER_SAMPLER" in envs.environment_variables
