@@ -23,22 +23,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
-import subprocess
 import sys
 import tarfile
 import threading
 import time
-import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-LOADING = re.compile(r"Model loading took ([\d.]+) GiB memory and ([\d.]+) seconds")
-INITIALIZING = re.compile(r"Initializing model took ([\d.]+) seconds")
-STEPS = re.compile(r"steps inside vLLM: (.*)$")
+from tests.gpu.daemon_runner import DaemonCommand, ServedDaemon
+from tests.gpu.processes import LoggedProcess
+from tests.gpu.vllm_logs import loading_figures
+
 ENGINE_TIMEOUT_S = 360.0
 
 
@@ -109,40 +107,26 @@ class Proof:
                 out[f"{shape}-{scheme}"] = path
         return out
 
-    def start_daemon(self, ckpts: dict[str, Path]) -> tuple[subprocess.Popen[bytes], str]:
-        port = self.args.port
-        cmd = [sys.executable, "-m", "weight_cache_cli", "serve", "--port", str(port)]
-        cmd += ["--device", self.args.device, "--shm-dir", str(self.work / "shm")]
-        (self.work / "shm").mkdir(exist_ok=True)
-        for path in ckpts.values():
-            cmd += ["--model", str(path)]
-        log = (self.logs / "daemon.log").open("wb")
-        daemon = subprocess.Popen(
-            cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    def start_daemon(self, ckpts: dict[str, Path]) -> ServedDaemon:
+        command = DaemonCommand(
+            self.args.port, self.args.device, self.work / "shm", list(ckpts.values())
         )
-        return daemon, f"http://127.0.0.1:{port}"
+        daemon = ServedDaemon(command, self.logs, self.env)
+        daemon.start()
+        return daemon
 
-    def wait_ready(self, daemon: subprocess.Popen[bytes], url: str) -> bool:
-        start = time.monotonic()
-        while self.left() > 60 and daemon.poll() is None:
-            try:
-                with urllib.request.urlopen(f"{url}/ready", timeout=2) as r:
-                    if r.status == 200:
-                        with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as m:
-                            models = json.loads(m.read())
-                        self.summary["daemon"] = {
-                            "ready_after_s": round(time.monotonic() - start, 1),
-                            "models": [
-                                {k: m.get(k) for k in ("id", "state", "load_seconds")}
-                                for m in models
-                            ],
-                        }
-                        return True
-            except OSError:
-                pass
-            time.sleep(0.5)
-        self.summary["daemon"] = {"ready": False, "rc": daemon.poll()}
-        return False
+    def wait_ready(self, daemon: ServedDaemon) -> bool:
+        figures = daemon.wait_ready(max(0.0, self.left() - 60))
+        if not figures["ready"]:
+            self.summary["daemon"] = {"ready": False, "rc": figures.get("rc")}
+            return False
+        self.summary["daemon"] = {
+            "ready_after_s": figures["ready_s"],
+            "models": [
+                {k: m.get(k) for k in ("id", "state", "load_seconds")} for m in figures["models"]
+            ],
+        }
+        return True
 
     # --- engines ------------------------------------------------------------------------------
 
@@ -162,36 +146,17 @@ class Proof:
         if run.state:
             cmd += ["--state", str(state)]
         env = dict(self.env, VLLM_ENABLE_V1_MULTIPROCESSING="1" if run.multiprocessing else "0")
-        log_path = self.logs / f"{run.name}.log"
-        start = time.monotonic()
-        with log_path.open("w") as log:
-            proc = subprocess.Popen(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            try:
-                proc.wait(timeout=min(ENGINE_TIMEOUT_S, max(30.0, self.left() - 10)))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        text = log_path.read_text(errors="replace")
-        result: dict[str, Any] = {"ok": False, "error": f"no RESULT line (rc {proc.returncode})"}
+        proc = LoggedProcess(run.name, cmd, self.logs / f"{run.name}.log", env=env)
+        if proc.wait_exit(min(ENGINE_TIMEOUT_S, max(30.0, self.left() - 10))) is None:
+            proc.signal(signal.SIGKILL)
+        code = proc.stop()
+        text = proc.text()
+        result: dict[str, Any] = {"ok": False, "error": f"no RESULT line (rc {code})"}
         for line in text.splitlines():
             if line.startswith("RESULT "):
                 result = json.loads(line[len("RESULT ") :])
-        result["wall_s"] = round(time.monotonic() - start, 1)
-        loading = LOADING.findall(text)
-        if loading:
-            result["model_loading_gib"] = float(loading[-1][0])
-            result["model_loading_s"] = float(loading[-1][1])
-        initializing = INITIALIZING.findall(text)
-        if initializing:
-            result["initializing_s"] = float(initializing[-1])
-        steps = [m.group(1) for m in map(STEPS.search, text.splitlines()) if m]
-        if steps:
-            result["loader_steps"] = steps[-1]
-        result["weight_cache_log"] = [
-            line.strip()[-300:] for line in text.splitlines() if "weight-cache" in line
-        ][:8]
+        result["wall_s"] = round(proc.since_start(), 1)
+        result.update(loading_figures(text))
         if not result.get("ok"):
             result["tail"] = text.splitlines()[-25:]
         if run.state and state.exists():
@@ -260,7 +225,8 @@ class Proof:
 
     def main(self) -> int:
         ckpts = self.checkpoints()
-        daemon, url = self.start_daemon(ckpts)
+        daemon = self.start_daemon(ckpts)
+        url = daemon.command.url
         dead = f"http://127.0.0.1:{self.args.port + 1}"  # nothing listens there
         combos: dict[str, dict[str, Run]] = {}
         for key, path in [] if self.args.timing_only else ckpts.items():
@@ -281,7 +247,7 @@ class Proof:
                         pool.submit(self.engine, runs["A"]),
                         pool.submit(self.engine, runs["C"]),
                     ]
-                ready = self.wait_ready(daemon, url)
+                ready = self.wait_ready(daemon)
                 self.check("daemon ready with every checkpoint", ready, self.summary.get("daemon"))
                 if ready:
                     pairs = [pool.submit(self.restart, runs) for runs in combos.values()]
@@ -296,11 +262,7 @@ class Proof:
             if ready and (self.args.timing or self.args.timing_only):
                 self.timing(ckpts, url)
         finally:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(30)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
+            daemon.stop()
             self.pack_logs()
             self.save()
         failed = [c for c in self.summary["checks"] if not c["ok"]]

