@@ -66,6 +66,7 @@ class ClientConfig:
     retries: int = 2
     retry_backoff_s: float = 0.1
     cache_layouts: bool = True  # send known_layout for layouts this process already holds
+    handle_socket: str | None = None  # the daemon's handle socket, if not where grants say
 
     @classmethod
     def from_env(cls, token_file: str | None = None, **overrides: Any) -> ClientConfig:

@@ -404,6 +404,32 @@ class MalformedRequestError(InvalidRequestError):
     title = "Malformed HTTP request"
 
 
+class CudaDriverError(WeightCacheError):
+    """A call into the CUDA driver (``cuda-bindings``) failed; ``call`` and ``result`` name it."""
+
+    code = "cuda_driver_error"
+    status = 500
+    title = "A CUDA driver call failed"
+
+
+class HandleRefusedError(ArenaUnavailableError):
+    """The daemon's handle socket would not pass a descriptor: not the lease's holder (peer
+    credentials or secret), or no such live lease; ``why`` says which."""
+
+    code = "handle_refused"
+    status = 403
+    title = "The handle socket refused the request"
+
+
+class KeeperUnavailableError(WeightCacheError):
+    """No keeper answers on the run directory's socket (``--keeper external``), or it serves
+    another daemon."""
+
+    code = "keeper_unavailable"
+    status = 503
+    title = "No keeper for this daemon"
+
+
 # What to do about each code: sent as the problem document's ``hint``, printed by the CLI, and
 # the last column of the README's troubleshooting table (a test keeps the three equal).
 HINTS: dict[str, str] = {
@@ -465,6 +491,12 @@ HINTS: dict[str, str] = {
     "malformed_request": "speak HTTP/1.1 to the daemon",
     "arena_lost": "unload the model (DELETE /v1/models/{id}) and load it again; keep /dev/shm "
     "cleaners away from the daemon's files",
+    "cuda_driver_error": "check the GPU driver and that cuda-bindings is installed "
+    "(pip install 'weight-cache[cuda]'), or start the daemon with --cuda-handles ipc",
+    "handle_refused": "ask for the descriptor from the process that holds the lease, with the "
+    "lease's secret, as the same user as the daemon (or root)",
+    "keeper_unavailable": "start `weight-cache keeper` on the same --run-dir (or use --keeper "
+    "auto), and stop any other daemon using that keeper",
 }
 
 # The same advice for a user of the ``weight-cache`` command, where it differs.

@@ -30,6 +30,7 @@ from protocol.schemas.leases import LeaseInfo, LeaseRequest
 from protocol.schemas.manifest import ArenaDescriptor, DaemonIdentity
 from protocol.schemas.models import ModelInfo, ModelState
 from protocol.version import PROTOCOL_VERSION, __version__
+from service.keeper.custody import Custody
 from service.logsafe import get_logger
 from service.memory.devices import device_infos, process_alive, use_plain_cuda_allocations
 from service.memory.shm import ArenaDir, remove_stale_files
@@ -59,6 +60,12 @@ class Daemon:
         self.models = ModelTable(settings, self.lock, on_loaded=self.metrics.load_seconds.observe)
         self.leases = LeaseTable(self.boot_id, on_end=self._lease_ended)
         self.limits = LeaseLimits(settings)
+        # The handle socket, the keeper and adoption: what lets arenas outlive this process.
+        self.custody = Custody(
+            settings, self.boot_id, self.lock, self.models, self.leases, self.count_refusal
+        )
+        self.models.on_ready = self.custody.model_ready
+        self.models.on_gone = self.custody.model_gone
         self.identity = DaemonIdentity(
             boot_id=self.boot_id,
             protocol_version=PROTOCOL_VERSION,
@@ -84,21 +91,30 @@ class Daemon:
         root = self.settings.shm_dir
         if root.is_dir():
             self.arena_dir = ArenaDir.prepare(root, self.settings.shm_group)
-            stale = remove_stale_files(root) + self.arena_dir.remove_stale()  # earlier layout too
-            for path in stale:
-                log.info("removed stale shared-memory arena %s", path)
         else:
             log.warning("no shared-memory directory %s: CPU arenas cannot be made", root)
         use_plain_cuda_allocations()
+        self.custody.start(self.arena_dir)  # adopts what a keeper held, before the sweep
+        if self.arena_dir is not None:
+            stale = remove_stale_files(root) + self.arena_dir.remove_stale()  # earlier layout too
+            for path in stale:
+                log.info("removed stale shared-memory arena %s", path)
         for path, model_id in self.settings.startup_models():
             self.models.startup.append(model_id)
+            if self.custody.adopted_as(model_id, path, self.settings.tp_size):
+                continue  # ready already: taken over from the keeper
             try:
                 self.load(path, model_id, self.settings.tp_size, check_allowed=False)
             except WeightCacheError as exc:  # reported by /ready, not fatal to the daemon
                 self.models.add_failed(model_id, path, self.settings.tp_size, exc)
 
     def shutdown(self) -> None:
-        self.models.release_all()
+        """Stop; with a keeper, leave the arenas to it (the next daemon takes them over)."""
+        if self.custody.keeps:
+            self.models.detach_all()
+        else:
+            self.models.release_all()
+        self.custody.shutdown()
         if self.arena_dir is not None:
             self.arena_dir.close()
 
@@ -153,6 +169,7 @@ class Daemon:
                     active_leases=active,
                 )
             record = self.models.remove(model_id)
+            self.custody.model_gone(record)
         record.release()  # outside the lock: unmapping gigabytes takes a while
         log.info("unloaded %s", model_id)
 
@@ -168,7 +185,6 @@ class Daemon:
             ttl = self.limits.ttl_for(req.ttl_s)
             self.limits.check_room(self.leases, req.client_pid)
             rank = record.ranks[req.tp_rank]
-            handle = rank.arena.export()  # fresh for every lease
             lease = self.leases.add(
                 req.model,
                 req.tp_rank,
@@ -178,6 +194,12 @@ class Daemon:
                 self.leases.now(),
                 pid_start,
             )
+            try:
+                handle = rank.arena.export(self.custody.access(lease))  # fresh for every lease
+            except BaseException:
+                self.leases.end(lease.id, LeaseEnd.released)
+                raise
+            self.custody.lease_granted(lease)
             info = lease.info(self.boot_id)
         self.metrics.leases_granted.inc()
         arena = ArenaDescriptor(index=0, nbytes=rank.arena.nbytes, handle=handle)
@@ -216,6 +238,7 @@ class Daemon:
             LeaseEnd.reaped: self.metrics.leases_reaped,
         }
         counters[how].inc()
+        self.custody.lease_ended(lease)
         if how is LeaseEnd.expired:  # reaped ones are logged once per dead client (sweep)
             log.info(
                 "lease %s on %s %s (pid %d)", lease.id, lease.model, how.value, lease.client_pid
@@ -277,6 +300,7 @@ class Daemon:
                     continue
                 record.state = ModelState.failed
                 record.error = error
+                self.custody.model_gone(record)
             failed += 1
             self.metrics.arena_corruptions.labels(model=record.id).inc()
             log.error("model %s failed its scrub: %s", record.id, error)
@@ -342,17 +366,17 @@ class Daemon:
 
     def inventory(self) -> Inventory:
         models = self.list_models()
+        held: dict[int | None, int] = {}
         with self.lock:
-            in_use = {
-                rank.arena.device.index
-                for record in self.models.records.values()
-                for rank in record.ranks
-                if rank.arena.device.index is not None
-            }
+            for record in self.models.records.values():
+                for rank in record.ranks:
+                    index = rank.arena.device.index
+                    held[index] = held.get(index, 0) + rank.arena.nbytes
+        in_use = {index for index in held if index is not None}
         return Inventory(
             boot_id=self.boot_id,
             version=__version__,
-            devices=device_infos(self.settings.device, self.settings.shm_dir, in_use),
+            devices=device_infos(self.settings.device, self.settings.shm_dir, in_use, held),
             cache_bytes=sum(m.bytes_resident for m in models),
             memory_budget=self.settings.memory_budget_bytes,
             models=models,

@@ -39,6 +39,9 @@ SETTINGS_FIELDS = (
     "request_timeout_s",
     "follow_symlinks",
     "keep_going",
+    "cuda_handles",
+    "run_dir",
+    "keeper",
 )
 
 # Fields whose variable is named after the flag rather than the field (preferred name first;

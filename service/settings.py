@@ -12,7 +12,7 @@ import ipaddress
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, ByteSize, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -22,6 +22,7 @@ from protocol.schemas.models import default_model_id
 from protocol.tokens import choose_token, read_token_file
 from protocol.version import DEFAULT_PORT
 from service.env import ENV_PREFIX, check_environment, env_names, known_variables
+from service.run_dir import default_run_dir
 
 __all__ = ["DEFAULT_PORT", "DaemonSettings", "check_environment", "env_names", "known_variables"]
 
@@ -118,6 +119,20 @@ class DaemonSettings(BaseSettings):
     )
     keep_going: bool = Field(
         default=False, description="keep serving when a startup model fails to load"
+    )
+    cuda_handles: Literal["fd", "ipc"] = Field(
+        default="fd",
+        description="GPU arenas as shareable allocations passed as file descriptors (fd), or "
+        "legacy CUDA IPC (ipc)",
+    )
+    run_dir: Path = Field(
+        default_factory=default_run_dir,
+        description="where the handle socket (handles.sock) and the keeper's socket live",
+    )
+    keeper: Literal["auto", "external", "off"] = Field(
+        default="auto",
+        description="a keeper process holds the arenas across daemon restarts: auto (start one "
+        "if none answers), external (require one), off",
     )
 
     def __init__(self, **values: Any) -> None:

@@ -49,6 +49,8 @@ def make_settings(tmp_path: Path, models: list[Path], **over: Any) -> DaemonSett
         "shm_dir": shm,
         "cache_dir": tmp_path / "cache",
         "reaper_interval_s": 0.05,
+        "run_dir": tmp_path / "run",
+        "keeper": "off",
     }
     values.update(over)
     return DaemonSettings(**values)
@@ -66,6 +68,7 @@ class DaemonProcess:
     process: subprocess.Popen[bytes]
     shm_dir: Path  # the daemon's private arena directory under the --shm-dir given
     log: Path
+    run_dir: Path  # its handle socket and its keeper's socket
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.process.poll() is None:
@@ -88,8 +91,14 @@ def start_daemon(
     wait_ready: bool = True,
     device: str = "cpu",
     timeout_s: float = 60.0,
+    run_dir: Path | None = None,
+    keeper: str = "off",
 ) -> DaemonProcess:
+    """``weight-cache serve`` on ``port`` (a free one by default), its run directory
+    ``run_dir`` (default ``tmp_path/run-<port>``: a daemon started again on the same port finds
+    its keeper), the keeper ``keeper`` (off by default: a test that wants one says so)."""
     port = port or free_port()
+    run_dir = run_dir or tmp_path / f"run-{port}"
     shm_dir = shm_dir or tmp_path / "shm"
     shm_dir.mkdir(parents=True, exist_ok=True)
     log = tmp_path / f"daemon-{port}-{time.monotonic_ns()}.log"
@@ -114,11 +123,15 @@ def start_daemon(
         **os.environ,
         "WEIGHT_CACHE_CACHE_DIR": str(tmp_path / "cache"),
         "WEIGHT_CACHE_REAPER_INTERVAL_S": "0.05",
+        "WEIGHT_CACHE_RUN_DIR": str(run_dir),
+        "WEIGHT_CACHE_KEEPER": keeper,
         **(env or {}),
     }
     with log.open("wb") as out:
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=full_env)
-    daemon = DaemonProcess(f"http://127.0.0.1:{port}", process, arena_dir_path(shm_dir), log)
+    daemon = DaemonProcess(
+        f"http://127.0.0.1:{port}", process, arena_dir_path(shm_dir), log, run_dir
+    )
     transport = httpx.HTTPTransport(uds=str(uds)) if uds else None
     poll = httpx.Client(transport=transport, base_url=daemon.url, timeout=1)
     deadline = time.monotonic() + timeout_s

@@ -129,15 +129,21 @@ def build_settings(**flags: Any) -> DaemonSettings:
 
 def check_settings(settings: DaemonSettings) -> None:
     """Everything that can be known wrong before binding."""
+    from protocol.errors import WeightCacheError
     from service.memory.devices import resolve_placements
+    from service.memory.shm import group_id
+    from service.run_dir import prepare_run_dir
 
     try:
         settings.check_exposure()
         settings.check_directories()
         settings.startup_models()
         resolve_placements(settings.device, settings.tp_size)
+        prepare_run_dir(settings.run_dir, group_id(settings.shm_group))
     except ValueError as exc:
         raise SettingsError(str(exc)) from exc
+    except (WeightCacheError, OSError) as exc:
+        raise SettingsError(f"--run-dir: {exc}") from exc
 
 
 def bind(settings: DaemonSettings) -> socket.socket:
@@ -355,6 +361,29 @@ def _settings_options(command: F) -> F:
             f"allowed root [default: follow; env: {_env('follow_symlinks')}].",
         ),
         click.option(
+            "--cuda-handles",
+            type=click.Choice(["fd", "ipc"]),
+            help="GPU arenas as shareable allocations passed to engines as file descriptors over "
+            "<run-dir>/handles.sock (fd), or legacy CUDA IPC, which needs the engine in the "
+            f"daemon's PID and IPC namespaces (ipc) [default: fd; env: {_env('cuda_handles')}].",
+        ),
+        click.option(
+            "--run-dir",
+            type=click.Path(path_type=Path),
+            help="Directory of the handle socket and the keeper's socket; in containers "
+            "/run/weight-cache, shared with the keeper and the engines [default: "
+            "$XDG_RUNTIME_DIR/weight-cache, /run/weight-cache for root, else "
+            f"/tmp/weight-cache-u<uid>; env: {_env('run_dir')}].",
+        ),
+        click.option(
+            "--keeper",
+            type=click.Choice(["auto", "external", "off"]),
+            help="A keeper process holds the arenas so that a restarted daemon takes them over: "
+            "auto starts one (detached) if none answers on <run-dir>/keeper.sock, external "
+            "requires one (`weight-cache keeper`, e.g. a sidecar), off frees them with the "
+            f"daemon [default: auto; env: {_env('keeper')}].",
+        ),
+        click.option(
             "--keep-going/--no-keep-going",
             default=None,
             help="Keep serving when a startup model fails to load, and report ready once every "
@@ -397,12 +426,17 @@ def serve(**flags: Any) -> None:
 def _run(settings: DaemonSettings, listener: socket.socket) -> Daemon:
     import uvicorn
 
+    from protocol.errors import KeeperUnavailableError
     from service.api.app import create_app
     from service.api.server import server_config
     from service.daemon import Daemon
 
     keep_responsive(settings.load_threads, settings.load_nice)
     daemon = Daemon(settings)
+    try:  # before any load: a keeper's arenas are taken over, not loaded again
+        daemon.custody.keeper.connect()
+    except KeeperUnavailableError as exc:
+        raise click.ClickException(exc.explain(cli=True)) from exc
     app = create_app(settings, daemon)
     # log_config=None and no log_level: uvicorn's loggers keep the handler and level that
     # --log-level and --log-format gave the whole process. The guarded protocol bounds

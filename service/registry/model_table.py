@@ -42,10 +42,14 @@ class ModelTable:
         settings: DaemonSettings,
         lock: threading.RLock,
         on_loaded: Callable[[float], None] = lambda seconds: None,
+        on_ready: Callable[[ModelRecord], None] = lambda record: None,
+        on_gone: Callable[[ModelRecord], None] = lambda record: None,
     ) -> None:
         self.settings = settings
         self.lock = lock
         self.on_loaded = on_loaded  # told each successful load's seconds (a histogram)
+        self.on_ready = on_ready  # told each model that became ready (the keeper keeps it)
+        self.on_gone = on_gone  # told each ready model that failed after (the keeper drops it)
         self.records: dict[str, ModelRecord] = {}
         # Models asked for at start and not unloaded since: what /ready waits for.
         self.startup: list[str] = []
@@ -87,6 +91,18 @@ class ModelTable:
             self.records.clear()
         self.join_loads(timeout=30)
 
+    def detach_all(self) -> None:
+        """Cancel every load and drop this process's hold on every arena without giving the
+        memory back: the keeper holds it for the next daemon (shutdown with a keeper)."""
+        with self.lock:
+            for record in self.records.values():
+                record.progress.cancelled.set()
+                for rank in record.ranks:
+                    rank.arena.detach()
+                record.ranks = []
+            self.records.clear()
+        self.join_loads(timeout=30)
+
     def join_loads(self, timeout: float) -> None:
         """Wait for the load threads started so far, each up to ``timeout`` seconds."""
         for thread in list(self._threads):
@@ -111,6 +127,7 @@ class ModelTable:
             record.state = ModelState.failed
             record.reserved_bytes = 0
             record.release()
+            self.on_gone(record)
             log.error("%s failed: %s", record.id, record.error)
             return
 
@@ -219,6 +236,7 @@ class ModelTable:
             record.load_seconds = time.monotonic() - record.started_at
             record.state = ModelState.ready
         self.on_loaded(record.load_seconds)
+        self.on_ready(record)
         log.info(
             "%s ready: %d bytes in %.2f s", record.id, record.bytes_resident, record.load_seconds
         )
