@@ -187,3 +187,70 @@ class InProcessDaemon:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def keeper_status(run_dir: Path) -> Any:
+    """The keeper's ``StatusReply`` on ``run_dir``, or None when none answers."""
+    from protocol.fd_passing import receive_message, send_message
+    from service.keeper.messages import Envelope, Status
+    from service.run_dir import KEEPER_SOCKET
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        try:
+            sock.connect(str(run_dir / KEEPER_SOCKET))
+        except OSError:
+            return None
+        send_message(sock, Envelope(message=Status()))
+        got = receive_message(sock, Envelope, 1 << 20)
+    return None if got is None else got[0].message
+
+
+def stop_keeper(run_dir: Path) -> None:
+    """SIGTERM the keeper on ``run_dir`` (it lets go of everything) and wait until it is gone."""
+    from tests.waiting import wait_for
+
+    status = keeper_status(run_dir)
+    if status is None:
+        return
+    os.kill(status.pid, signal.SIGTERM)
+    wait_for(lambda: keeper_status(run_dir) is None, timeout=30)
+
+
+class ComputingEngine:
+    """``tests.computing_engine`` in a child process: attached, computing, answering."""
+
+    def __init__(self, url: str, model: str, checkpoint: Path, device: str = "cpu") -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.computing_engine", url, model, str(checkpoint), device],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.attached = self._line()
+
+    def _line(self) -> dict[str, Any]:
+        import json
+
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the engine exited ({self.process.wait()})")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def ask(self, command: str = "status") -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return self._line()
+
+    def close(self) -> dict[str, Any]:
+        answer = self.ask("close")
+        self.process.wait(60)
+        return answer
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()

@@ -1,5 +1,6 @@
 """A new daemon taking over what the keeper held: every model ready again from its arenas'
-descriptors, without reading the checkpoint, once each arena's bytes check out.
+descriptors, without reading the checkpoint's weights, once the checkpoint's files are still
+those loaded (``files`` tier: a ``stat`` each) and each arena's bytes check out.
 
 A GPU arena is checked against the digest taken on the GPU at load (``service.memory.digest``:
 milliseconds for gigabytes); a shared-memory arena against the manifest's per-tensor xxh3. An
@@ -15,6 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import ValidationError
+
+from modelopt_fp8.checkpoint import IdentityTier
+from modelopt_fp8.checkpoint.fingerprint import checkpoint_fingerprint
 
 from protocol.checksum import storage_checksum
 from protocol.devices import cuda_index_for_uuid, host_id
@@ -68,11 +72,23 @@ def _check(rank: ResidentRank, kept: KeptArena) -> None:
             raise NotAdopted(f"tensor {entry.name} no longer matches its checksum")
 
 
+def _check_checkpoint(kept: KeptModel) -> None:
+    """The checkpoint on disk is still the one loaded, by the ``files`` tier (a ``stat`` per
+    file, no tensor read): weights replaced on disk are loaded again, not adopted."""
+    try:
+        now = checkpoint_fingerprint(Path(kept.path), IdentityTier.files).digest
+    except WeightCacheError as exc:
+        raise NotAdopted(f"its checkpoint cannot be checked: {exc.detail}") from exc
+    if now != kept.checkpoint.digests.files:
+        raise NotAdopted(f"its checkpoint {kept.path} changed on disk since the load")
+
+
 def adopt_model(kept: KeptModel, fds: ArenaFds, arena_dir: ArenaDir | None) -> ModelRecord:
     """``kept`` as a ready record, its arenas mapped and checked; the descriptors it uses are
     taken from ``fds``. Raises :class:`NotAdopted` with nothing held."""
     ranks: list[ResidentRank] = []
     try:
+        _check_checkpoint(kept)
         for arena, manifest_json in zip(kept.arenas, kept.manifests, strict=True):
             fd = fds.pop((kept.id, arena.rank), None)
             if fd is None:

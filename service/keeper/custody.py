@@ -139,21 +139,24 @@ class Custody:
     # --- for the handle socket and the keeper ----------------------------------------------------
 
     def _descriptor(self, lease_id: str, arena: int) -> tuple[Lease, int, int]:
-        """The live lease, a duplicate of its arena's descriptor (the caller closes it) and the
-        bytes to map; a typed error when there is none."""
+        """The live lease, a new descriptor of its arena (the caller closes it) and the bytes
+        to map; a typed error when there is none."""
         with self.lock:
             lease = self.leases.get(lease_id, self.leases.now())
             record = self.models.get(lease.model)
             if arena != 0 or record.state is not ModelState.ready:
                 raise HandleRefusedError(f"model {lease.model} has no arena {arena} to pass")
             held = record.ranks[lease.tp_rank].arena
-            fd = held.share_fd()
+            try:
+                fd = held.engine_fd()
+            except OSError as exc:
+                raise HandleRefusedError(f"the arena of {lease.model} is gone: {exc}") from exc
             if fd is None:
                 raise HandleRefusedError(
                     f"the arena of {lease.model} is lent over legacy CUDA IPC, not as a descriptor"
                 )
             size = held.allocation_size if isinstance(held, VmmArena) else held.nbytes
-            return lease, os.dup(fd), size
+            return lease, fd, size
 
     def _holdings(self) -> tuple[list[tuple[KeptModel, list[int]]], list[KeptLease]]:
         with self.lock:

@@ -28,6 +28,7 @@ class KeptArena(BaseModel):
     nbytes: int
     allocation_size: int
     shm_name: str | None = None  # the file's name in the daemon's arena directory
+    shm_dir: str | None = None  # that directory (the keeper removes what it lets go of alone)
     boot_id: str = Field(description="boot id of the daemon that made it")
     digest: str | None = Field(description="service.memory.digest of the arena, at load")
 

@@ -38,6 +38,7 @@ def kept_model(record: ModelRecord) -> tuple[KeptModel, list[int]]:
                     arena.allocation_size if isinstance(arena, VmmArena) else arena.nbytes
                 ),
                 shm_name=arena.path.name if isinstance(arena, ShmArena) else None,
+                shm_dir=str(arena.path.parent) if isinstance(arena, ShmArena) else None,
                 boot_id=arena.boot_id
                 if isinstance(arena, ShmArena)
                 else rank.manifest.daemon.boot_id,

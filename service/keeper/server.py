@@ -90,12 +90,33 @@ class KeeperState:
         keys = [k for k in self.fds if k[0] == model_id]
         return [self.fds.pop(k) for k in keys]
 
-    def clear(self) -> None:
+    def clear(self, remove_files: bool = False) -> None:
+        """Let go of everything; with ``remove_files`` (no daemon holds them), remove the
+        shared-memory files too, as the daemon would on unload."""
         with self.lock:
+            files = [
+                (Path(a.shm_dir) / a.shm_name, self.fds.get((m.id, a.rank)))
+                for m in self.models.values()
+                for a in m.arenas
+                if a.shm_dir and a.shm_name
+            ]
+            if remove_files:
+                for path, fd in files:
+                    _remove_if_held(path, fd)
             fds = [*self.fds.values(), *self.pending.values()]
             self.models, self.fds, self.pending, self.leases = {}, {}, {}, {}
         for fd in fds:
             os.close(fd)
+
+
+def _remove_if_held(path: Path, fd: int | None) -> None:
+    """Unlink ``path`` if it still names the file open as ``fd`` (not a file put in its place)."""
+    if fd is None:
+        return
+    with contextlib.suppress(OSError):
+        held, named = os.fstat(fd), os.stat(path, follow_symlinks=False)
+        if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino):
+            path.unlink()
 
 
 class Keeper:
@@ -137,7 +158,7 @@ class Keeper:
             with contextlib.suppress(FileNotFoundError):
                 self.socket_path.unlink()
             held = len(self.state.fds)
-            self.state.clear()
+            self.state.clear(remove_files=self.daemon_pid is None)
             log.info("keeper stopped; let go of %d arena(s)", held)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:

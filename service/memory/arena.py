@@ -69,8 +69,11 @@ class Arena(abc.ABC):
         """Give the memory back (engines holding a mapping keep theirs)."""
 
     def share_fd(self) -> int | None:
-        """The descriptor the handle socket passes to lease holders and the keeper holds
-        (None: legacy IPC, which has none)."""
+        """The descriptor the keeper holds (None: legacy IPC, which has none)."""
+        return None
+
+    def engine_fd(self) -> int | None:
+        """A new descriptor for a lease holder (the caller closes it), or None (legacy IPC)."""
         return None
 
     def detach(self) -> None:
@@ -135,6 +138,11 @@ class ShmArena(Arena):
 
     def share_fd(self) -> int | None:
         return None if self._file is None else self._file.fd
+
+    def engine_fd(self) -> int | None:
+        """The file opened afresh, read-only: an engine can map it only read-only, and its
+        mapping does not hold the file's lock (which says a daemon or keeper owns the file)."""
+        return None if self._file is None else self._file.open_read_only()
 
     def release(self) -> None:
         if self._file is not None:
@@ -233,6 +241,9 @@ class VmmArena(Arena):
 
     def share_fd(self) -> int | None:
         return self._fd
+
+    def engine_fd(self) -> int | None:
+        return None if self._fd is None else os.dup(self._fd)
 
     def release(self) -> None:
         """Close the descriptor and drop the mapping (unmapped once no view of it is left): the

@@ -199,6 +199,19 @@ class ShmFile:
         the file); passed to engines and to the keeper, which share the lock through it."""
         return self._fd
 
+    def open_read_only(self) -> int:
+        """A new read-only descriptor of this file (``OSError`` if its name no longer names it)."""
+        fd = os.open(
+            self.name,
+            os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+            dir_fd=self.directory.fd,
+        )
+        held, opened = os.fstat(self._fd), os.fstat(fd)
+        if (held.st_dev, held.st_ino) != (opened.st_dev, opened.st_ino):
+            os.close(fd)
+            raise OSError(f"{self.path} no longer names the arena's file")
+        return fd
+
     def close(self) -> None:
         """Unlink and drop the mapping (unmapped once no view of it is left); engines that
         mapped the file keep their pages until they unmap."""

@@ -80,6 +80,7 @@ class HandleServer:
         try:
             conn.settimeout(TIMEOUT_S)
             self._answer(conn)
+            _drain(conn)
         except (OSError, FramingError) as exc:
             log.info("handle socket: a request failed: %s", exc)
         finally:
@@ -120,3 +121,15 @@ class HandleServer:
         self.on_refusal(error.code)
         with contextlib.suppress(OSError):
             send_message(conn, HandleAnswer(ok=False, problem=error.problem_fields()))
+
+
+def _drain(conn: socket.socket, limit: int = 64 * 1024) -> None:
+    """End our side, then read what the peer still sends (a bounded amount, briefly), so that
+    closing does not reset the connection before the peer read the answer."""
+    conn.shutdown(socket.SHUT_WR)
+    conn.settimeout(0.5)
+    while limit > 0:
+        chunk = conn.recv(min(limit, 4096))
+        if not chunk:
+            return
+        limit -= len(chunk)
