@@ -19,7 +19,6 @@ from pydantic import ValidationError
 
 from modelopt_fp8.checkpoint import IdentityTier
 from modelopt_fp8.checkpoint.fingerprint import checkpoint_fingerprint
-
 from protocol.checksum import storage_checksum
 from protocol.devices import cuda_index_for_uuid, host_id
 from protocol.errors import WeightCacheError

@@ -7,7 +7,6 @@ for a lease's handle access; the daemon's own code stays the same with the keepe
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -42,7 +43,7 @@ else:
 """
 
 
-def grant(daemon: DaemonProcess, **over: object) -> LeaseGrant:
+def grant(daemon: DaemonProcess, **over: Any) -> LeaseGrant:
     r = httpx.post(f"{daemon.url}/v1/leases", json=lease_body(**over))
     assert r.status_code == 201, r.text
     return LeaseGrant.model_validate_json(r.content)

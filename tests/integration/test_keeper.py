@@ -26,8 +26,9 @@ from tests.waiting import wait_for
 
 @pytest.fixture
 def checkpoint(tmp_path: Path, tiny_fp8: Path, copy_of) -> Path:
-    """A copy of the tiny checkpoint this test may move away (and back)."""
-    return copy_of(tiny_fp8)
+    """A copy of the tiny checkpoint, this test's own."""
+    copied: Path = copy_of(tiny_fp8)
+    return copied
 
 
 def test_kill_restart_adopt_and_take_the_lease_over(tmp_path: Path, checkpoint: Path) -> None:
