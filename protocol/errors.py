@@ -298,7 +298,7 @@ class ArenaUnavailableError(AttachError):
 
 class IpcOpenError(ArenaUnavailableError):
     code = "ipc_open_failed"
-    title = "CUDA refused the leased IPC handle"
+    title = "CUDA refused the leased IPC handle or descriptor"
 
 
 class ArenaLostError(WeightCacheError):
@@ -471,9 +471,10 @@ HINTS: dict[str, str] = {
     "verification_failed": "the engine falls back to an ordinary load; `reason` says why",
     "attach_failed": "the engine falls back to an ordinary load; `reason` says at which step",
     "bad_response": "check that the loader's `url` / `uds` points at the weight-cache daemon",
-    "arena_unavailable": "run the engine in the daemon's IPC namespace and /dev/shm (compose: "
-    "`ipc: service:daemon`); the engine falls back meanwhile",
-    "ipc_open_failed": "run the engine on the daemon's GPU, in its PID and IPC namespaces",
+    "arena_unavailable": "share the daemon's run directory with the engine (/run/weight-cache in "
+    "compose), or set the loader's handle_socket; the engine falls back meanwhile",
+    "ipc_open_failed": "run the engine on the daemon's GPU with cuda-bindings installed (with "
+    "--cuda-handles ipc, also in the daemon's PID and IPC namespaces)",
     "not_regular_file": "point at a regular file (not a FIFO, socket, device or directory)",
     "symlink_refused": "replace the symlink loop or the forbidden symlink with the real file "
     "(or start the daemon with WEIGHT_CACHE_FOLLOW_SYMLINKS=true)",
