@@ -41,6 +41,7 @@ class OpenedArena:
 
     base: torch.Tensor | None
     via: str = "path"  # how it was opened: "descriptor", "cuda_ipc" or "path"
+    read_only: bool = True  # a write through this mapping faults (not so for legacy IPC)
 
     def close(self) -> None:
         self.base = None
@@ -77,7 +78,8 @@ def _open_cuda_fd(
                 reason=Reason.ipc_open_failed,
             )
         mapping = cuda_vmm.map_fd(fd, size, index, writable=False)
-        return OpenedArena(mapping.tensor()[: handle.size], via="descriptor")
+        base = mapping.tensor()[: handle.size]
+        return OpenedArena(base, via="descriptor", read_only=mapping.read_only)
     except WeightCacheError as exc:
         if isinstance(exc, IpcOpenError):
             raise
@@ -129,7 +131,7 @@ def open_arena(descriptor: ArenaDescriptor, handle_socket: str | None = None) ->
         return _open_shm(descriptor, handle, handle_socket)
     index = _gpu_index(handle.device_uuid)
     try:
-        return OpenedArena(open_cuda_arena(handle, index), via="cuda_ipc")
+        return OpenedArena(open_cuda_arena(handle, index), via="cuda_ipc", read_only=False)
     except (RuntimeError, ValueError, OSError) as exc:
         raise IpcOpenError(
             f"CUDA cannot open the leased arena on GPU {handle.device_uuid}: {exc} (is the "

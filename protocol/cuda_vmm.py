@@ -143,7 +143,8 @@ def create_exported(ordinal: int, nbytes: int) -> tuple[Exported, DeviceMapping]
 
 def map_fd(fd: int, size: int, ordinal: int, writable: bool) -> DeviceMapping:
     """Import the allocation behind descriptor ``fd`` (left open: the caller's) and map its
-    ``size`` bytes on GPU ``ordinal``; read-only unless ``writable``."""
+    ``size`` bytes on GPU ``ordinal``; read-only unless ``writable`` (where the driver takes
+    read-only access; ``DeviceMapping.read_only`` says)."""
     with _on_device(ordinal) as driver:
         handle = _call("cuMemImportFromShareableHandle", fd, _fd_type(driver))
         try:
@@ -157,23 +158,37 @@ def _map(driver: Any, handle: Any, size: int, ordinal: int, writable: bool) -> D
     try:
         _call("cuMemMap", ptr, size, 0, handle, 0)
         try:
-            access = driver.CUmemAccessDesc()
-            access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            access.location.id = ordinal
-            flags = driver.CUmemAccess_flags
-            access.flags = (
-                flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-                if writable
-                else flags.CU_MEM_ACCESS_FLAGS_PROT_READ
-            )
-            _call("cuMemSetAccess", ptr, size, [access], 1)
+            read_only = not writable and _set_access(driver, ptr, size, ordinal, read_only=True)
+            if not read_only:
+                _set_access(driver, ptr, size, ordinal, read_only=False)
         except BaseException:
             _call("cuMemUnmap", ptr, size)
             raise
     except BaseException:
         _call("cuMemAddressFree", ptr, size)
         raise
-    return DeviceMapping(int(ptr), size, ordinal)
+    return DeviceMapping(int(ptr), size, ordinal, read_only)
+
+
+def _set_access(driver: Any, ptr: Any, size: int, ordinal: int, read_only: bool) -> bool:
+    """Make the range accessible from GPU ``ordinal``, read-only if asked; False when the
+    driver does not take read-only access there (the caller maps it read-write instead)."""
+    access = driver.CUmemAccessDesc()
+    access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    access.location.id = ordinal
+    flags = driver.CUmemAccess_flags
+    access.flags = (
+        flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+        if read_only
+        else flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    )
+    try:
+        _call("cuMemSetAccess", ptr, size, [access], 1)
+    except CudaDriverError:
+        if read_only:
+            return False
+        raise
+    return True
 
 
 def _unmap(ptr: int, size: int, ordinal: int) -> None:
@@ -190,10 +205,11 @@ class DeviceMapping:
     from it (:meth:`tensor`) keep it alive; it is unmapped once the last of them is gone (not
     at interpreter exit, when the driver tears everything down anyway)."""
 
-    def __init__(self, ptr: int, size: int, ordinal: int) -> None:
+    def __init__(self, ptr: int, size: int, ordinal: int, read_only: bool = False) -> None:
         self.ptr = ptr
         self.size = size
         self.ordinal = ordinal
+        self.read_only = read_only  # the GPU faults on a write through this mapping
         self._finalizer = weakref.finalize(self, _unmap, ptr, size, ordinal)
         self._finalizer.atexit = False
 

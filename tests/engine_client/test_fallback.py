@@ -174,10 +174,12 @@ def prometheus(reason: Reason) -> float:
 
 
 def real_grant(daemon: DaemonProcess) -> dict[str, object]:
-    """A grant as the daemon wrote it, released at once (only its shape is reused)."""
+    """A grant as the daemon wrote it, released at once (only its shape is reused: the arena
+    is mapped by its path, the released lease's handle access dropped)."""
     grant = httpx.post(f"{daemon.url}/v1/leases", json=lease_body()).json()
     httpx.delete(f"{daemon.url}/v1/leases/{grant['lease']['id']}")
     assert isinstance(grant, dict)
+    grant["arenas"][0]["handle"]["access"] = None
     return grant
 
 
@@ -209,10 +211,13 @@ def test_a_grant_of_the_wrong_shape_falls_back(answer, tiny_fp8: Path, caplog) -
 def test_an_arena_gone_before_the_engine_maps_it_falls_back(
     answer, daemon_process: DaemonProcess, tiny_fp8: Path, tmp_path: Path, caplog
 ) -> None:
-    """A grant naming a file this engine cannot see (another /dev/shm, or removed since): the
-    lease is released and the engine loads from disk."""
+    """A grant naming a file this engine cannot see (another /dev/shm, or removed since) and a
+    handle socket it cannot reach (the run directory not shared): the lease is released and the
+    engine loads from disk."""
     grant = real_grant(daemon_process)
-    grant["arenas"][0]["handle"]["path"] = str(tmp_path / "not-here")  # type: ignore[index]
+    handle = grant["arenas"][0]["handle"]  # type: ignore[index]
+    handle["path"] = str(tmp_path / "not-here")
+    handle["access"] = {"socket": str(tmp_path / "no.sock"), "lease": "l", "secret": "s"}
     server = answer(201, json.dumps(grant).encode())
     _fall_back(server.url, tiny_fp8, Reason.arena_unavailable, caplog)
     assert ("DELETE", f"/v1/leases/{grant['lease']['id']}") in server.requests  # type: ignore[index]

@@ -27,6 +27,7 @@ def main() -> None:
         report = {
             "zero_copy": att.zero_copy(),
             "via": att.arena.via,
+            "read_only": att.arena.read_only,
             "pid": os.getpid(),
             "device": str(base.device),
             "timings": {

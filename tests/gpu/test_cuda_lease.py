@@ -50,6 +50,7 @@ def test_second_process_maps_the_daemons_cuda_arena(
             report = json.loads(child.stdout.readline())
             assert report["zero_copy"] and report["device"] == "cuda:0"
             assert report["via"] == ("descriptor" if handles == "fd" else "cuda_ipc")
+            print("engine mapping read-only:", report["read_only"])  # as the driver allows
             for entry in manifest.tensors:
                 seen = report["tensors"][entry.name]
                 assert seen["dtype"] == entry.dtype.value
