@@ -161,7 +161,8 @@ def main() -> None:
     ]
     print(
         f"{'shape':<14}{'handles':<8}{'device':<8}{'bytes':>12}{'ordinary ms':>12}{'first':>8}"
-        f"{'p50':>7}{'p99':>7}{'lease':>7}{'open':>6}{'rebuild':>8}{'cold':>7}{'speedup first/p50':>19}"
+        f"{'p50':>7}{'p99':>7}{'lease':>7}{'open':>6}{'rebuild':>8}{'cold':>7}"
+        f"{'speedup first/p50':>19}"
     )
     for r in results:
         print(
