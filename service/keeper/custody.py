@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from protocol.errors import HandleRefusedError
 from protocol.schemas.manifest import HandleAccess
 from protocol.schemas.models import ModelState
@@ -71,6 +73,8 @@ class Custody:
         snapshot, fds = self.keeper.take_snapshot()
         self.keeper.start_journal()
         records = adopt_models(snapshot, fds, arena_dir, self.keeper.drop_model)
+        if any(isinstance(r.arena, VmmArena) for record in records for r in record.ranks):
+            torch.cuda.empty_cache()  # the digests' scratch: the footprint stays the arenas
         now = self.leases.now()
         with self.lock:
             for record in records:

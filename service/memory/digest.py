@@ -28,6 +28,8 @@ def arena_digest(base: torch.Tensor) -> str:
     """The digest of the 1-D uint8 tensor ``base`` (an arena), computed on its device."""
     if base.dtype != torch.uint8 or base.dim() != 1:
         raise ValueError("an arena is a 1-D uint8 tensor")
+    if base.is_cuda:  # the writes of other streams (the load's) are done before it reads
+        torch.cuda.synchronize(base.device)
     nbytes = base.numel()
     whole = nbytes // 8 * 8
     sums: list[torch.Tensor] = []

@@ -175,6 +175,14 @@ def test_an_engine_in_its_own_pid_namespace_attaches(tmp_path: Path, tiny_fp8: P
     unshare = shutil.which("unshare")
     if unshare is None or os.geteuid() != 0:
         pytest.skip("needs unshare and root to make a PID namespace")
+    probe = subprocess.run(
+        [unshare, "--pid", "--fork", "--mount-proc", "true"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a PID namespace here: {probe.stderr.strip()}")
     with InProcessDaemon(make_settings(tmp_path, [tiny_fp8], device="cuda:0")) as served:
         manifest = served.daemon.model("tiny").ranks[0].manifest
         child = subprocess.Popen(

