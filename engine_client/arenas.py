@@ -67,10 +67,10 @@ def _gpu_index(uuid: str) -> int:
 
 
 def _open_cuda_fd(
-    descriptor: ArenaDescriptor, handle: CudaFdHandle, socket: str | None
+    descriptor: ArenaDescriptor, handle: CudaFdHandle, lease: str, socket: str | None
 ) -> OpenedArena:
     index = _gpu_index(handle.device_uuid)
-    fd, size = fetch_arena_fd(handle.access, descriptor.index, socket)
+    fd, size = fetch_arena_fd(handle.access, lease, descriptor.index, socket)
     try:
         if size != handle.allocation_size:
             raise IpcOpenError(
@@ -92,10 +92,12 @@ def _open_cuda_fd(
         os.close(fd)  # the mapping keeps the allocation
 
 
-def _open_shm(descriptor: ArenaDescriptor, handle: ShmHandle, socket: str | None) -> OpenedArena:
+def _open_shm(
+    descriptor: ArenaDescriptor, handle: ShmHandle, lease: str, socket: str | None
+) -> OpenedArena:
     if handle.access is not None:
         try:
-            fd, size = fetch_arena_fd(handle.access, descriptor.index, socket)
+            fd, size = fetch_arena_fd(handle.access, lease, descriptor.index, socket)
         except SocketUnreachableError:
             pass  # no handle socket here: the path may still be shared
         else:
@@ -121,14 +123,16 @@ def _open_shm(descriptor: ArenaDescriptor, handle: ShmHandle, socket: str | None
         ) from exc
 
 
-def open_arena(descriptor: ArenaDescriptor, handle_socket: str | None = None) -> OpenedArena:
-    """Map the leased arena in this process, zero copy; ``handle_socket`` overrides the handle
-    socket's path the grant names (the loader's ``handle_socket``)."""
+def open_arena(
+    descriptor: ArenaDescriptor, lease: str, handle_socket: str | None = None
+) -> OpenedArena:
+    """Map the leased arena of lease ``lease`` in this process, zero copy; ``handle_socket``
+    overrides the handle socket's path the grant names (the loader's ``handle_socket``)."""
     handle = descriptor.handle
     if isinstance(handle, CudaFdHandle):
-        return _open_cuda_fd(descriptor, handle, handle_socket)
+        return _open_cuda_fd(descriptor, handle, lease, handle_socket)
     if isinstance(handle, ShmHandle):
-        return _open_shm(descriptor, handle, handle_socket)
+        return _open_shm(descriptor, handle, lease, handle_socket)
     index = _gpu_index(handle.device_uuid)
     try:
         return OpenedArena(open_cuda_arena(handle, index), via="cuda_ipc", read_only=False)

@@ -231,7 +231,7 @@ def attach(
                 manifest = grant.full_manifest()
             timings.verify_ms = (time.perf_counter() - start) * 1e3
             start = time.perf_counter()
-            arena = open_arena(grant.arenas[0], config.handle_socket)
+            arena = open_arena(grant.arenas[0], grant.lease.id, config.handle_socket)
             timings.open_ms = (time.perf_counter() - start) * 1e3
             start = time.perf_counter()
             with typed_failures(Reason.rebuild_failed):

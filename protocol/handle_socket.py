@@ -47,11 +47,15 @@ class SocketUnreachableError(ArenaUnavailableError):
 
 
 def fetch_arena_fd(
-    access: HandleAccess, arena: int, socket_path: str | None = None, timeout_s: float = 10.0
+    access: HandleAccess,
+    lease: str,
+    arena: int,
+    socket_path: str | None = None,
+    timeout_s: float = 10.0,
 ) -> tuple[int, int]:
-    """(descriptor, size) of arena ``arena`` of the lease ``access`` names, from the handle
-    socket at ``socket_path`` (default: the one the grant names). The caller owns the
-    descriptor. A refusal raises the daemon's typed error (``handle_refused``)."""
+    """(descriptor, size) of arena ``arena`` of lease ``lease``, from the handle socket at
+    ``socket_path`` (default: the one the grant names). The caller owns the descriptor. A
+    refusal raises the daemon's typed error (``handle_refused``)."""
     path = socket_path or access.socket
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
@@ -69,7 +73,7 @@ def fetch_arena_fd(
                 file=path,
             ) from exc
         try:
-            send_message(sock, HandleRequest(lease=access.lease, secret=access.secret, arena=arena))
+            send_message(sock, HandleRequest(lease=lease, secret=access.secret, arena=arena))
             got = receive_message(sock, HandleAnswer, MAX_ANSWER_BYTES, max_fds=1)
         except (OSError, FramingError) as exc:
             raise ArenaUnavailableError(

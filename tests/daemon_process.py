@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,8 @@ def make_settings(tmp_path: Path, models: list[Path], **over: Any) -> DaemonSett
         "shm_dir": shm,
         "cache_dir": tmp_path / "cache",
         "reaper_interval_s": 0.05,
-        "run_dir": tmp_path / "run",
+        # Its own run directory: a test may start several daemons from one tmp_path.
+        "run_dir": Path(tempfile.mkdtemp(prefix="run-", dir=tmp_path)),
         "keeper": "off",
     }
     values.update(over)

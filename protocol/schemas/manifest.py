@@ -102,8 +102,7 @@ class HandleAccess(BaseModel):
     model_config = _FROZEN
 
     socket: str = Field(description="the daemon's handle socket, <run_dir>/handles.sock")
-    lease: str = Field(description="the lease id to present")
-    secret: str = Field(description="this lease's secret, to present with it")
+    secret: str = Field(description="this lease's secret, presented with the lease's id")
 
 
 class ShmHandle(BaseModel):

@@ -115,9 +115,7 @@ class Custody:
         """What a lease's holder presents to the handle socket (None if it is not served)."""
         if not self._serving:
             return None
-        return HandleAccess(
-            socket=str(self.run_dir / HANDLE_SOCKET), lease=lease.id, secret=lease.secret
-        )
+        return HandleAccess(socket=str(self.run_dir / HANDLE_SOCKET), secret=lease.secret)
 
     def model_ready(self, record: ModelRecord) -> None:
         """Keep ``record`` if it is still the one held (journaled under the lock, so that an

@@ -115,7 +115,7 @@ class LeaseTable:
             granted_at=now,
             expires_at=now + ttl_s,
             ttl_s=ttl_s,
-            secret=secrets.token_urlsafe(24),
+            secret=secrets.token_urlsafe(18),  # 144 bits
         )
         self._insert(lease)
         return lease

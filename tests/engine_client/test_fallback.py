@@ -107,14 +107,14 @@ def _descriptor(path: Path, size: int) -> ArenaDescriptor:
 
 def test_an_arena_that_cannot_be_mapped_is_typed(tmp_path: Path) -> None:
     with pytest.raises(ArenaUnavailableError) as err:
-        open_arena(_descriptor(tmp_path / "gone", 4096))
+        open_arena(_descriptor(tmp_path / "gone", 4096), "b00t.1")
     assert err.value.reason is Reason.arena_unavailable and err.value.extra["file"].endswith("gone")
     short = tmp_path / "short"
     short.write_bytes(b"\0" * 100)
     with pytest.raises(ArenaUnavailableError, match="100 bytes"):
-        open_arena(_descriptor(short, 4096))
+        open_arena(_descriptor(short, 4096), "b00t.1")
     with pytest.raises(ArenaUnavailableError):
-        open_arena(_descriptor(tmp_path, 4096))  # a directory
+        open_arena(_descriptor(tmp_path, 4096), "b00t.1")  # a directory
 
 
 class AnswerServer(ThreadingHTTPServer):
@@ -217,7 +217,7 @@ def test_an_arena_gone_before_the_engine_maps_it_falls_back(
     grant = real_grant(daemon_process)
     handle = grant["arenas"][0]["handle"]  # type: ignore[index]
     handle["path"] = str(tmp_path / "not-here")
-    handle["access"] = {"socket": str(tmp_path / "no.sock"), "lease": "l", "secret": "s"}
+    handle["access"] = {"socket": str(tmp_path / "no.sock"), "secret": "s"}
     server = answer(201, json.dumps(grant).encode())
     _fall_back(server.url, tiny_fp8, Reason.arena_unavailable, caplog)
     assert ("DELETE", f"/v1/leases/{grant['lease']['id']}") in server.requests  # type: ignore[index]
@@ -268,5 +268,5 @@ def test_a_refused_ipc_handle_is_typed() -> None:
         tensor_size=1 << 20,
     )
     with pytest.raises(IpcOpenError) as err:
-        open_arena(ArenaDescriptor(index=0, nbytes=1 << 20, handle=handle))
+        open_arena(ArenaDescriptor(index=0, nbytes=1 << 20, handle=handle), "b00t.1")
     assert err.value.reason is Reason.ipc_open_failed

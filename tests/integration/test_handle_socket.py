@@ -33,7 +33,7 @@ from protocol.handle_socket import HandleAnswer, fetch_arena_fd
 from protocol.schemas.manifest import HandleAccess
 access = HandleAccess.model_validate_json(sys.argv[1])
 try:
-    fd, size = fetch_arena_fd(access, 0)
+    fd, size = fetch_arena_fd(access, sys.argv[2], 0)
 except WeightCacheError as exc:
     reason = str(getattr(exc, "reason", ""))
     print(json.dumps({"code": exc.code, "why": exc.extra.get("why"), "reason": reason}))
@@ -55,9 +55,10 @@ def access_of(g: LeaseGrant) -> HandleAccess:
     return handle.access
 
 
-def present(access: HandleAccess, prefix: list[str] | None = None) -> dict[str, object]:
+def present(g: LeaseGrant, prefix: list[str] | None = None) -> dict[str, object]:
+    access = access_of(g)
     out = subprocess.run(
-        [*(prefix or []), sys.executable, "-c", PRESENT, access.model_dump_json()],
+        [*(prefix or []), sys.executable, "-c", PRESENT, access.model_dump_json(), g.lease.id],
         capture_output=True,
         text=True,
         timeout=120,
@@ -72,7 +73,7 @@ def test_the_holder_gets_a_read_only_descriptor(daemon_process: DaemonProcess) -
     g = grant(daemon_process)  # this process holds it
     access = access_of(g)
     assert access.socket == str(daemon_process.run_dir / HANDLE_SOCKET)
-    fd, size = fetch_arena_fd(access, 0)
+    fd, size = fetch_arena_fd(access, g.lease.id, 0)
     try:
         assert size == g.arenas[0].nbytes == os.fstat(fd).st_size
         assert os.readlink(f"/proc/self/fd/{fd}").startswith(str(daemon_process.shm_dir))
@@ -84,8 +85,7 @@ def test_the_holder_gets_a_read_only_descriptor(daemon_process: DaemonProcess) -
 
 def test_another_process_with_the_secret_is_refused(daemon_process: DaemonProcess) -> None:
     """A neighbour that learnt a lease's id and secret is not its holder: refused, typed."""
-    access = access_of(grant(daemon_process))
-    answer = present(access)
+    answer = present(grant(daemon_process))
     assert answer["code"] == "handle_refused" and answer["reason"] == "handle_refused"
     assert "is not the lease's holder" in str(answer["why"])
 
@@ -94,16 +94,17 @@ def test_a_wrong_secret_or_an_ended_lease_is_refused(daemon_process: DaemonProce
     g = grant(daemon_process)
     access = access_of(g)
     with pytest.raises(HandleRefusedError) as err:
-        fetch_arena_fd(access.model_copy(update={"secret": "x" * 32}), 0)
+        fetch_arena_fd(access.model_copy(update={"secret": "x" * 24}), g.lease.id, 0)
     assert err.value.extra["why"] == "the secret is not this lease's"
     with pytest.raises(HandleRefusedError) as err:
-        fetch_arena_fd(access, 3)  # no such arena
+        fetch_arena_fd(access, g.lease.id, 3)  # no such arena
     assert httpx.delete(f"{daemon_process.url}/v1/leases/{g.lease.id}").status_code == 204
     with pytest.raises(HandleRefusedError) as err:
-        fetch_arena_fd(access, 0)
+        fetch_arena_fd(access, g.lease.id, 0)
     assert err.value.extra["why"] == "lease_not_found"
     # Still serving: a new lease's holder gets its descriptor.
-    fd, _ = fetch_arena_fd(access_of(grant(daemon_process)), 0)
+    again = grant(daemon_process)
+    fd, _ = fetch_arena_fd(access_of(again), again.lease.id, 0)
     os.close(fd)
     metrics = httpx.get(f"{daemon_process.url}/metrics").text
     assert 'weight_cache_refusals_total{code="handle_refused"} 3.0' in metrics
@@ -124,7 +125,7 @@ def test_another_user_is_refused_even_where_the_socket_is_reachable(
         os.chmod(run, 0o755)
         os.chmod(run / HANDLE_SOCKET, 0o777)
         nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
-        answer = present(access_of(g), nobody)
+        answer = present(g, nobody)
     finally:
         daemon.stop()
         shutil.rmtree(run, ignore_errors=True)
@@ -147,5 +148,6 @@ def test_garbage_on_the_socket_changes_nothing(daemon_process: DaemonProcess) ->
             else:
                 assert got is None
     assert httpx.get(f"{daemon_process.url}/v1/models/tiny").json()["state"] == "ready"
-    fd, _ = fetch_arena_fd(access_of(grant(daemon_process)), 0)
+    again = grant(daemon_process)
+    fd, _ = fetch_arena_fd(access_of(again), again.lease.id, 0)
     os.close(fd)
