@@ -23,7 +23,10 @@ class DeviceKind(str, enum.Enum):
 class DaemonIdentity(BaseModel):
     model_config = _FROZEN
 
-    boot_id: str = Field(description="random per daemon start; a change means it restarted")
+    boot_id: str = Field(
+        description="random per daemon start; in a manifest, the daemon that processed the "
+        "arena (a later daemon may have taken it over: leases name the one answering now)"
+    )
     protocol_version: int
     weight_cache_version: str
     torch_version: str

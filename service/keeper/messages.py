@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from protocol.schemas.manifest import CheckpointIdentity
 
 MAX_MESSAGE_BYTES = 256 << 20
+# Raised when these messages change; a daemon and a keeper of different versions do not attach.
+KEEPER_PROTOCOL = 1
 _STRICT = ConfigDict(extra="forbid")
 
 
@@ -66,6 +68,7 @@ class Attach(BaseModel):
 
     model_config = _STRICT
     op: Literal["attach"] = "attach"
+    protocol: int = KEEPER_PROTOCOL
     pid: int
     boot_id: str
     resync: bool = False

@@ -24,6 +24,7 @@ from types import FrameType
 
 from protocol.fd_passing import FramingError, peer_credentials, receive_message, send_message
 from service.keeper.messages import (
+    KEEPER_PROTOCOL,
     MAX_MESSAGE_BYTES,
     ArenaFd,
     Attach,
@@ -202,6 +203,13 @@ class Keeper:
             )
 
     def _daemon(self, conn: socket.socket, attach: Attach) -> None:
+        if attach.protocol != KEEPER_PROTOCOL:
+            detail = (
+                f"this keeper speaks protocol {KEEPER_PROTOCOL}, the daemon {attach.protocol}: "
+                "stop the keeper (its models load again) and start the new version's"
+            )
+            send_message(conn, Envelope(message=Refused(detail=detail)))
+            return
         with self.state.lock:
             if self.daemon_pid is not None:
                 busy = self.daemon_pid
