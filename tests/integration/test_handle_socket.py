@@ -151,3 +151,46 @@ def test_garbage_on_the_socket_changes_nothing(daemon_process: DaemonProcess) ->
     again = grant(daemon_process)
     fd, _ = fetch_arena_fd(access_of(again), again.lease.id, 0)
     os.close(fd)
+
+
+NAMESPACED = """
+import json, os, sys, torch
+from pathlib import Path
+from engine_client.attach import attach
+from engine_client.client import ClientConfig
+from engine_client.verify import Expectations
+expect = Expectations.for_checkpoint(Path(sys.argv[2]), torch.device("cpu"))
+with attach("tiny", expect, config=ClientConfig(url=sys.argv[1]), keep_alive=False) as att:
+    print(json.dumps({"pid": os.getpid(), "via": att.arena.via, "zero_copy": att.zero_copy(),
+                      "lease": att.lease_id}))
+"""
+
+
+def test_an_engine_in_its_own_pid_namespace_gets_the_descriptor(
+    daemon_process: DaemonProcess, tiny_fp8: Path
+) -> None:
+    """An engine whose PID namespace is not the daemon's (as in a container of its own) names
+    itself by its own pid; the daemon sees it by another and relates the two (NSpid)."""
+    unshare = shutil.which("unshare")
+    probe = subprocess.run(
+        [unshare or "unshare", "--pid", "--fork", "--mount-proc", "true"],
+        capture_output=True,
+        check=False,
+    )
+    if unshare is None or probe.returncode != 0:
+        pytest.skip("cannot make a PID namespace here")
+    out = subprocess.run(
+        [
+            *(unshare, "--pid", "--fork", "--mount-proc"),
+            *(sys.executable, "-c", NAMESPACED, daemon_process.url, str(tiny_fp8)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["pid"] == 1 and seen["via"] == "descriptor" and seen["zero_copy"]
+    # Released on close, from inside its namespace.
+    assert httpx.get(f"{daemon_process.url}/v1/leases/{seen['lease']}").status_code == 404
