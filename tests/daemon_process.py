@@ -203,8 +203,11 @@ def keeper_status(run_dir: Path) -> Any:
             sock.connect(str(run_dir / KEEPER_SOCKET))
         except OSError:
             return None
-        send_message(sock, Envelope(message=Status()))
-        got = receive_message(sock, Envelope, 1 << 20)
+        try:
+            send_message(sock, Envelope(message=Status()))
+            got = receive_message(sock, Envelope, 1 << 20)
+        except ConnectionError:  # a keeper stopping closes the connections it had not taken
+            return None
     return None if got is None else got[0].message
 
 
