@@ -30,7 +30,7 @@ from service.logsafe import get_logger
 from service.memory.arena import Arena, ShmArena, VmmArena
 from service.memory.digest import arena_digest
 from service.memory.layout import ArenaLayout
-from service.memory.shm import ArenaDir, ShmFile
+from service.memory.shm import ArenaDir, ShmFile, remove_if_held
 from service.registry.loader import ResidentRank
 from service.registry.models import ModelRecord
 
@@ -120,6 +120,18 @@ def adopt_model(kept: KeptModel, fds: ArenaFds, arena_dir: ArenaDir | None) -> M
     )
 
 
+def _remove_files(kept: KeptModel, fds: ArenaFds) -> None:
+    """The shared-memory files of a model not taken over (those no adopted arena removed on
+    release): nobody else will, once the keeper lets go of them."""
+    for arena in kept.arenas:
+        fd = fds.pop((kept.id, arena.rank), None)
+        if fd is None:
+            continue
+        if arena.shm_dir and arena.shm_name:
+            remove_if_held(Path(arena.shm_dir) / arena.shm_name, fd)
+        os.close(fd)
+
+
 def adopt_models(
     snapshot: Snapshot,
     fds: ArenaFds,
@@ -138,6 +150,7 @@ def adopt_models(
                 log.error(
                     "not adopting %s from the keeper: %s; it loads again if asked for", kept.id, exc
                 )
+                _remove_files(kept, fds)
                 let_go(kept.id)
                 continue
             adopted.append(record)

@@ -41,6 +41,7 @@ from service.keeper.messages import (
     StatusReply,
 )
 from service.logsafe import get_logger
+from service.memory.shm import remove_if_held
 from service.registry.handle_access import trusted_uids
 from service.run_dir import KEEPER_SOCKET, listen_unix, prepare_run_dir
 
@@ -103,21 +104,12 @@ class KeeperState:
             ]
             if remove_files:
                 for path, fd in files:
-                    _remove_if_held(path, fd)
+                    if fd is not None:
+                        remove_if_held(path, fd)
             fds = [*self.fds.values(), *self.pending.values()]
             self.models, self.fds, self.pending, self.leases = {}, {}, {}, {}
         for fd in fds:
             os.close(fd)
-
-
-def _remove_if_held(path: Path, fd: int | None) -> None:
-    """Unlink ``path`` if it still names the file open as ``fd`` (not a file put in its place)."""
-    if fd is None:
-        return
-    with contextlib.suppress(OSError):
-        held, named = os.fstat(fd), os.stat(path, follow_symlinks=False)
-        if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino):
-            path.unlink()
 
 
 class Keeper:

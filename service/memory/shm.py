@@ -279,6 +279,19 @@ def _remove_stale(dir_fd: int, directory: Path) -> list[Path]:
     return removed
 
 
+def remove_if_held(path: Path, fd: int) -> bool:
+    """Unlink ``path`` if it still names the file open as ``fd`` (not a file put in its place):
+    an arena file let go of by whoever held it last."""
+    try:
+        held, named = os.fstat(fd), os.stat(path, follow_symlinks=False)
+        if (held.st_dev, held.st_ino) != (named.st_dev, named.st_ino):
+            return False
+        path.unlink()
+    except OSError:
+        return False
+    return True
+
+
 def remove_stale_files(directory: Path) -> list[Path]:
     """Delete arena files of dead daemons of this user directly in ``directory`` (an arena
     directory, or a shared-memory root where earlier versions kept them)."""

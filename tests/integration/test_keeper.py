@@ -197,3 +197,33 @@ def test_external_keeper_is_required(tmp_path: Path, tiny_fp8: Path) -> None:
     assert out.returncode == 1
     assert "[keeper_unavailable] no keeper answers on" in out.stderr
     assert keeper_status(run) is None  # none was started
+
+
+def test_a_checkpoint_changed_on_disk_is_loaded_again(tmp_path: Path, checkpoint: Path) -> None:
+    """The checkpoint's files touched while no daemon runs (a new export in place, say): the
+    kept arena no longer stands for them; the new daemon loads the model again and leaves no
+    file of the old one behind."""
+    import os
+
+    port, shm, run = free_port(), tmp_path / "shm", tmp_path / "run"
+    args = ("--model-id", "tiny")
+    kw = {"port": port, "shm_dir": shm, "run_dir": run, "keeper": "auto"}
+    first = start_daemon(tmp_path, [checkpoint], *args, **kw)  # type: ignore[arg-type]
+    second = None
+    try:
+        wait_for(lambda: keeper_status(run) is not None and keeper_status(run).arenas == 1)
+        first.stop(signal.SIGKILL)
+        (old,) = arena_dir_path(shm).iterdir()
+        for f in checkpoint.glob("*.safetensors"):
+            os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+        second = start_daemon(tmp_path, [checkpoint], *args, **kw)  # type: ignore[arg-type]
+        log = second.log.read_text()
+        assert "not adopting tiny from the keeper" in log and "changed on disk" in log
+        assert "loading tiny" in log
+        (fresh,) = arena_dir_path(shm).iterdir()
+        assert fresh != old
+    finally:
+        first.stop(signal.SIGKILL)
+        if second is not None:
+            second.stop()
+        stop_keeper(run)
