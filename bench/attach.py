@@ -72,7 +72,9 @@ with attach({model!r}, expectations(Path({str(path)!r})), config=ClientConfig(ur
     return result
 
 
-def bench_shape(shape: str, repeats: int, attaches: int, work: Path) -> dict[str, Any]:
+def bench_shape(
+    shape: str, repeats: int, attaches: int, work: Path, handles: str = "fd"
+) -> dict[str, Any]:
     path = demo_checkpoint(shape)
     size = warm_page_cache(path)
     dev = device()
@@ -85,6 +87,8 @@ def bench_shape(shape: str, repeats: int, attaches: int, work: Path) -> dict[str
         [path],
         "--model-id",
         shape,
+        "--cuda-handles",
+        handles,
         device="cuda:0" if dev.type == "cuda" else "cpu",
         timeout_s=1800,
     )
@@ -116,6 +120,7 @@ def bench_shape(shape: str, repeats: int, attaches: int, work: Path) -> dict[str
     return {
         "shape": shape,
         "device": str(dev),
+        "cuda_handles": handles,
         "checkpoint_bytes": size,
         "leased_bytes": nbytes,
         "ordinary_load_ms": ordinary_s * 1e3,
@@ -139,17 +144,30 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="ordinary loads per shape")
     parser.add_argument("--attaches", type=int, default=20, help="attaches per shape")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--cuda-handles",
+        nargs="+",
+        default=["fd"],
+        choices=["fd", "ipc"],
+        help="how the daemon lends GPU arenas (both: side by side)",
+    )
     args = parser.parse_args()
     work = CACHE / "attach-bench"
     work.mkdir(parents=True, exist_ok=True)
-    results = [bench_shape(s, args.repeats, args.attaches, work) for s in args.shapes]
+    results = [
+        bench_shape(s, args.repeats, args.attaches, work, h)
+        for s in args.shapes
+        for h in args.cuda_handles
+    ]
     print(
-        f"{'shape':<14}{'device':<8}{'bytes':>12}{'ordinary ms':>12}{'first':>8}{'p50':>7}"
-        f"{'p99':>7}{'lease':>7}{'open':>6}{'rebuild':>8}{'cold':>7}{'speedup first/p50':>19}"
+        f"{'shape':<14}{'handles':<8}{'device':<8}{'bytes':>12}{'ordinary ms':>12}{'first':>8}"
+        f"{'p50':>7}{'p99':>7}{'lease':>7}{'open':>6}{'rebuild':>8}{'cold':>7}"
+        f"{'speedup first/p50':>19}"
     )
     for r in results:
         print(
-            f"{r['shape']:<14}{r['device']:<8}{r['leased_bytes']:>12}"
+            f"{r['shape']:<14}{r['cuda_handles']:<8}{r['device']:<8}"
+            f"{r['leased_bytes']:>12}"
             f"{r['ordinary_load_ms']:>12.1f}{r['first_attach_ms']:>8.2f}{r['attach_p50_ms']:>7.2f}"
             f"{r['attach_p99_ms']:>7.2f}{r['lease_p50_ms']:>7.2f}{r['open_p50_ms']:>6.2f}"
             f"{r['rebuild_p50_ms']:>8.2f}{r['cold_attach']['attach_ms']:>7.1f}"

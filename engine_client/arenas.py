@@ -1,24 +1,36 @@
-"""Opening a leased arena in the engine: CUDA IPC on this process's GPU with the leased UUID, or
-the shared-memory file mapped read-only.
+"""Opening a leased arena in the engine: a shareable CUDA allocation whose descriptor the
+daemon's handle socket passes (imported and mapped read-only on this process's GPU with the
+leased UUID), legacy CUDA IPC, or the shared-memory file mapped read-only (from the descriptor
+the handle socket passes, else by its path).
 
 Whatever stops the open is raised typed from here: a shared-memory file that is gone, not
-readable or of the wrong size is :class:`~protocol.errors.ArenaUnavailableError`; CUDA refusing a
-handle (another IPC namespace, a dead daemon, a driver error) is
+readable or of the wrong size is :class:`~protocol.errors.ArenaUnavailableError`; the handle
+socket refusing this process is :class:`~protocol.errors.HandleRefusedError`; CUDA refusing a
+handle or a descriptor (another IPC namespace, a dead daemon, a driver error) is
 :class:`~protocol.errors.IpcOpenError`."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from protocol import cuda_vmm
 from protocol.cuda_ipc import open_cuda_arena, release_cuda_export
 from protocol.devices import cuda_index_for_uuid
-from protocol.errors import ArenaUnavailableError, IpcOpenError, VerificationError
+from protocol.errors import ArenaUnavailableError, IpcOpenError, VerificationError, WeightCacheError
+from protocol.handle_socket import SocketUnreachableError, fetch_arena_fd
 from protocol.reasons import Reason
-from protocol.schemas.manifest import ArenaDescriptor, ArenaHandle, CudaIpcHandle
-from protocol.shm import map_read_only
+from protocol.schemas.manifest import (
+    ArenaDescriptor,
+    ArenaHandle,
+    CudaFdHandle,
+    CudaIpcHandle,
+    ShmHandle,
+)
+from protocol.shm import map_fd_read_only, map_read_only
 
 
 @dataclass
@@ -28,6 +40,8 @@ class OpenedArena:
     to an engine's parameters is never unmapped under them."""
 
     base: torch.Tensor | None
+    via: str = "path"  # how it was opened: "descriptor", "cuda_ipc" or "path"
+    read_only: bool = True  # a write through this mapping faults (not so for legacy IPC)
 
     def close(self) -> None:
         self.base = None
@@ -41,32 +55,91 @@ def release_unopened(handle: ArenaHandle) -> None:
         release_cuda_export(handle)
 
 
-def open_arena(descriptor: ArenaDescriptor) -> OpenedArena:
-    handle = descriptor.handle
-    if isinstance(handle, CudaIpcHandle):
-        index = cuda_index_for_uuid(handle.device_uuid)
-        if index is None:
-            raise VerificationError(
-                f"GPU {handle.device_uuid} is not visible to this process",
-                reason=Reason.device_mismatch,
-                leased=handle.device_uuid,
-            )
-        try:
-            return OpenedArena(open_cuda_arena(handle, index))
-        except (RuntimeError, ValueError, OSError) as exc:
+def _gpu_index(uuid: str) -> int:
+    index = cuda_index_for_uuid(uuid)
+    if index is None:
+        raise VerificationError(
+            f"GPU {uuid} is not visible to this process",
+            reason=Reason.device_mismatch,
+            leased=uuid,
+        )
+    return index
+
+
+def _open_cuda_fd(
+    descriptor: ArenaDescriptor, handle: CudaFdHandle, lease: str, socket: str | None
+) -> OpenedArena:
+    index = _gpu_index(handle.device_uuid)
+    fd, size = fetch_arena_fd(handle.access, lease, descriptor.index, socket)
+    try:
+        if size != handle.allocation_size:
             raise IpcOpenError(
-                f"CUDA cannot open the leased arena on GPU {handle.device_uuid}: {exc} (is the "
-                "engine in the daemon's PID and IPC namespaces?)",
+                f"the handle socket passed {size} bytes, the grant says {handle.allocation_size}",
                 reason=Reason.ipc_open_failed,
-                device=handle.device_uuid,
-            ) from exc
+            )
+        mapping = cuda_vmm.map_fd(fd, size, index, writable=False)
+        base = mapping.tensor()[: handle.size]
+        return OpenedArena(base, via="descriptor", read_only=mapping.read_only)
+    except WeightCacheError as exc:
+        if isinstance(exc, IpcOpenError):
+            raise
+        raise IpcOpenError(
+            f"CUDA cannot map the leased allocation on GPU {handle.device_uuid}: {exc.detail}",
+            reason=Reason.ipc_open_failed,
+            device=handle.device_uuid,
+        ) from exc
+    finally:
+        os.close(fd)  # the mapping keeps the allocation
+
+
+def _open_shm(
+    descriptor: ArenaDescriptor, handle: ShmHandle, lease: str, socket: str | None
+) -> OpenedArena:
+    if handle.access is not None:
+        try:
+            fd, size = fetch_arena_fd(handle.access, lease, descriptor.index, socket)
+        except SocketUnreachableError:
+            pass  # no handle socket here: the path may still be shared
+        else:
+            try:
+                return OpenedArena(map_fd_read_only(fd, handle.size), via="descriptor")
+            except (OSError, ValueError) as exc:
+                raise ArenaUnavailableError(
+                    f"cannot map the leased arena's descriptor ({size} bytes): {exc}",
+                    reason=Reason.arena_unavailable,
+                    file=handle.path,
+                ) from exc
+            finally:
+                os.close(fd)
     try:
         return OpenedArena(map_read_only(Path(handle.path), handle.size))
     except (OSError, ValueError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ArenaUnavailableError(
-            f"cannot map the leased arena {handle.path}: {why} (is /dev/shm shared with the "
-            "daemon?)",
+            f"cannot map the leased arena {handle.path}: {why} (share the daemon's run "
+            "directory or /dev/shm with it)",
             reason=Reason.arena_unavailable,
             file=handle.path,
+        ) from exc
+
+
+def open_arena(
+    descriptor: ArenaDescriptor, lease: str, handle_socket: str | None = None
+) -> OpenedArena:
+    """Map the leased arena of lease ``lease`` in this process, zero copy; ``handle_socket``
+    overrides the handle socket's path the grant names (the loader's ``handle_socket``)."""
+    handle = descriptor.handle
+    if isinstance(handle, CudaFdHandle):
+        return _open_cuda_fd(descriptor, handle, lease, handle_socket)
+    if isinstance(handle, ShmHandle):
+        return _open_shm(descriptor, handle, lease, handle_socket)
+    index = _gpu_index(handle.device_uuid)
+    try:
+        return OpenedArena(open_cuda_arena(handle, index), via="cuda_ipc", read_only=False)
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise IpcOpenError(
+            f"CUDA cannot open the leased arena on GPU {handle.device_uuid}: {exc} (is the "
+            "engine in the daemon's PID and IPC namespaces?)",
+            reason=Reason.ipc_open_failed,
+            device=handle.device_uuid,
         ) from exc

@@ -47,8 +47,11 @@ class AttachTimings:
 class LeaseKeeper(threading.Thread):
     """Renews a lease every third of its TTL and reports its loss to ``on_lost``.
 
-    An unreachable daemon (restarting, say) is retried until the lease would have expired; a
-    definitive answer (expired, unknown, daemon restarted) ends the lease at once.
+    A daemon that does not answer (stopped, crashed, being upgraded) is waited for as long as it
+    takes, retrying at the renewal interval and logging at growing intervals: the engine keeps
+    serving from the memory it maps, which nothing frees under it. A daemon that answers again
+    has taken the lease over (a keeper held it) and the renewals go on; a definitive answer
+    (expired, unknown, daemon restarted without the lease) ends it.
     """
 
     def __init__(
@@ -67,23 +70,37 @@ class LeaseKeeper(threading.Thread):
         self.on_lost = on_lost
         self.stopped = threading.Event()
         self.renewals = 0
+        self.boot_id: str | None = None  # the daemon that renewed last
+        self.unanswered = 0  # renewals in a row that reached no daemon
 
     def run(self) -> None:
-        renewed_at = time.monotonic()
         with DaemonClient(self.config) as client:
             while not self.stopped.wait(self.interval):
                 try:
-                    client.renew(self.lease_id)
+                    info = client.renew(self.lease_id)
                 except DaemonUnavailableError as exc:
-                    if time.monotonic() - renewed_at < self.ttl_s:
-                        log.warning("renewing lease %s: %s; retrying", self.lease_id, exc)
-                        continue
-                    self._lose(exc)
-                    return
+                    self.unanswered += 1
+                    if self.unanswered & (self.unanswered - 1) == 0:  # 1, 2, 4, 8, ... tries
+                        log.warning(
+                            "renewing lease %s: %s; waiting for the daemon (the engine goes on "
+                            "serving; %d tries so far)",
+                            self.lease_id,
+                            exc,
+                            self.unanswered,
+                        )
+                    continue
                 except WeightCacheError as exc:
                     self._lose(exc)
                     return
-                renewed_at = time.monotonic()
+                if self.unanswered or (self.boot_id and info.boot_id != self.boot_id):
+                    log.info(
+                        "lease %s renewed by daemon %s after %d unanswered tries: taken over",
+                        self.lease_id,
+                        info.boot_id,
+                        self.unanswered,
+                    )
+                self.unanswered = 0
+                self.boot_id = info.boot_id
                 self.renewals += 1
 
     def _lose(self, error: WeightCacheError) -> None:
@@ -214,7 +231,7 @@ def attach(
                 manifest = grant.full_manifest()
             timings.verify_ms = (time.perf_counter() - start) * 1e3
             start = time.perf_counter()
-            arena = open_arena(grant.arenas[0])
+            arena = open_arena(grant.arenas[0], grant.lease.id, config.handle_socket)
             timings.open_ms = (time.perf_counter() - start) * 1e3
             start = time.perf_counter()
             with typed_failures(Reason.rebuild_failed):

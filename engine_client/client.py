@@ -66,6 +66,7 @@ class ClientConfig:
     retries: int = 2
     retry_backoff_s: float = 0.1
     cache_layouts: bool = True  # send known_layout for layouts this process already holds
+    handle_socket: str | None = None  # the daemon's handle socket, if not where grants say
 
     @classmethod
     def from_env(cls, token_file: str | None = None, **overrides: Any) -> ClientConfig:
@@ -145,8 +146,10 @@ class LayoutCache:
     """Manifests this process has received, by model and rank. A client names the layout it
     holds (its digest) as ``known_layout``; the daemon then returns only the lease and fresh
     handles, and the grant is completed with the manifest the request named, which the request
-    keeps hold of, so an eviction meanwhile cannot lose it. A restarted daemon has a new digest
-    (its boot id is part of the layout), so nothing stale is ever reused."""
+    keeps hold of, so an eviction meanwhile cannot lose it. A daemon that processed the model
+    again has a new digest (the processing daemon's boot id is part of the layout), so nothing
+    stale is ever reused; one that took the arena over from its keeper keeps the digest, as the
+    layout and the memory are the same."""
 
     def __init__(self, size: int = 64) -> None:
         self.size = size

@@ -24,6 +24,11 @@ class LoaderOptions(BaseModel):
     timeout: float = Field(default=10.0, gt=0)
     wait: float = Field(default=0.0, ge=0)
     verify_checksums: bool = False
+    handle_socket: str | None = Field(
+        default=None,
+        description="the daemon's handle socket, if not at the path its grants name "
+        "(<run_dir>/handles.sock as the daemon sees it)",
+    )
     identity: Literal["files", "sampled", "hf_blob", "full"] = Field(
         default="sampled",
         description="how the engine's checkpoint must match the daemon's (README: identity tiers)",
@@ -52,5 +57,10 @@ class LoaderOptions(BaseModel):
 
     def client_config(self) -> ClientConfig:
         return ClientConfig.from_env(
-            self.token_file, url=self.url, uds=self.uds, token=self.token, timeout_s=self.timeout
+            self.token_file,
+            url=self.url,
+            uds=self.uds,
+            token=self.token,
+            timeout_s=self.timeout,
+            handle_socket=self.handle_socket,
         )

@@ -21,7 +21,7 @@ from protocol.errors import VerificationError
 from protocol.reasons import Reason
 from protocol.schemas.layout import Kernel, Scheme, WeightFormat
 from protocol.schemas.leases import LeaseGrant
-from protocol.schemas.manifest import DeviceKind, Manifest, ShmHandle
+from protocol.schemas.manifest import CudaFdHandle, CudaIpcHandle, DeviceKind, Manifest
 from protocol.version import PROTOCOL_VERSION
 
 __all__ = ["Expectations", "Reason", "verify_checksums", "verify_grant"]
@@ -180,9 +180,14 @@ def verify_grant(grant: LeaseGrant, expect: Expectations) -> None:
         raise _fail(Reason.manifest_invalid, "a rank's tensors are served from one arena")
     size = grant.arenas[0].nbytes
     handle = grant.arenas[0].handle
-    mapped = handle.size if isinstance(handle, ShmHandle) else handle.tensor_size
+    mapped = handle.tensor_size if isinstance(handle, CudaIpcHandle) else handle.size
     if mapped != size:
         raise _fail(Reason.manifest_invalid, f"the arena handle maps {mapped} bytes, not {size}")
+    if isinstance(handle, CudaFdHandle) and handle.allocation_size < size:
+        raise _fail(
+            Reason.manifest_invalid,
+            f"an allocation of {handle.allocation_size} bytes cannot hold an arena of {size}",
+        )
     for t in manifest.tensors:
         if t.arena != 0 or t.offset < 0 or t.offset + t.nbytes > size:
             raise _fail(Reason.manifest_invalid, f"{t.name} lies outside its arena", tensor=t.name)

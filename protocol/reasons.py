@@ -42,7 +42,8 @@ class Reason(str, enum.Enum):
     checksum_mismatch = "checksum_mismatch"
     # Using the lease.
     arena_unavailable = "arena_unavailable"  # the shared-memory file is gone or unreadable
-    ipc_open_failed = "ipc_open_failed"  # CUDA refused the IPC handle
+    ipc_open_failed = "ipc_open_failed"  # CUDA refused the IPC handle (or the descriptor)
+    handle_refused = "handle_refused"  # the daemon's handle socket refused this process
     rebuild_failed = "rebuild_failed"  # a view the manifest describes cannot be made
     bind_failed = "bind_failed"  # vLLM's model disagreed with the lease
     unsupported_module = "unsupported_module"  # vLLM built a tensor neither side provides

@@ -23,6 +23,17 @@ def byte_tensor(buffer: mmap.mmap) -> torch.Tensor:
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
+def map_fd_read_only(fd: int, nbytes: int) -> torch.Tensor:
+    """Map ``nbytes`` of the arena file open as ``fd`` (passed by the daemon's handle socket)
+    read-only, as a byte tensor; ``fd`` stays the caller's."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError("the descriptor is not of a regular file")
+    if st.st_size != nbytes:
+        raise ValueError(f"the file holds {st.st_size} bytes, the manifest says {nbytes}")
+    return byte_tensor(mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ))
+
+
 def map_read_only(path: Path, nbytes: int) -> torch.Tensor:
     """Map an arena file read-only in an engine, as a byte tensor. The tensor (and every view
     of it) keeps the mapping alive; it is unmapped when the last one is gone, never under

@@ -31,6 +31,7 @@ from protocol.schemas.leases import LeaseInfo, LeaseRequest
 from protocol.schemas.manifest import ArenaDescriptor, DaemonIdentity
 from protocol.schemas.models import ModelInfo
 from protocol.version import PROTOCOL_VERSION, __version__
+from service.keeper.custody import Custody
 from service.logsafe import get_logger
 from service.memory.devices import collect_ipc_handles, device_infos, use_plain_cuda_allocations
 from service.memory.shm import ArenaDir, remove_stale_files
@@ -73,6 +74,12 @@ class Daemon:
             lambda model: self.leases.count(model) > 0,
         )
         self.parking, self.startup_slots = self.waiting.parking, self.waiting.startup_slots
+        # The handle socket, the keeper and adoption: what lets arenas outlive this process.
+        self.custody = Custody(
+            settings, self.boot_id, self.lock, self.models, self.leases, self.count_refusal
+        )
+        self.models.on_ready = self.custody.model_ready
+        self.models.on_gone = self.custody.model_gone
         self.identity = DaemonIdentity(
             boot_id=self.boot_id,
             protocol_version=PROTOCOL_VERSION,
@@ -98,18 +105,29 @@ class Daemon:
         root = self.settings.shm_dir
         if root.is_dir():
             self.arena_dir = ArenaDir.prepare(root, self.settings.shm_group)
-            stale = remove_stale_files(root) + self.arena_dir.remove_stale()  # earlier layout too
-            for path in stale:
-                log.info("removed stale shared-memory arena %s", path)
         else:
             log.warning("no shared-memory directory %s: CPU arenas cannot be made", root)
         use_plain_cuda_allocations()
+        self.custody.start(self.arena_dir)  # adopts what a keeper held, before the sweep
+        if self.arena_dir is not None:
+            stale = remove_stale_files(root) + self.arena_dir.remove_stale()  # earlier layout too
+            for path in stale:
+                log.info("removed stale shared-memory arena %s", path)
         self.models.load_at_start(
-            self.settings.startup_models(), self.settings.tp_size, self.arena_dir, self.identity
+            self.settings.startup_models(),
+            self.settings.tp_size,
+            self.arena_dir,
+            self.identity,
+            adopted=self.custody.adopted_as,
         )
 
     def shutdown(self) -> None:
-        self.models.release_all()
+        """Stop; with a keeper, leave the arenas to it (the next daemon takes them over)."""
+        if self.custody.keeps:
+            self.models.detach_all()
+        else:
+            self.models.release_all()
+        self.custody.shutdown()
         if self.arena_dir is not None:
             self.arena_dir.close()
 
@@ -163,6 +181,7 @@ class Daemon:
                     active_leases=active,
                 )
             record = self.models.remove(model_id)
+            self.custody.model_gone(record)
         record.release()  # outside the lock: unmapping gigabytes takes a while
         log.info("unloaded %s", model_id)
 
@@ -178,7 +197,6 @@ class Daemon:
             ttl = self.limits.ttl_for(req.ttl_s)
             self.limits.check_room(self.leases, req.client_pid)
             rank = record.ranks[req.tp_rank]
-            handle = rank.arena.export()  # fresh for every lease
             lease = self.leases.add(
                 req.model,
                 req.tp_rank,
@@ -188,6 +206,12 @@ class Daemon:
                 self.leases.now(),
                 pid_start,
             )
+            try:
+                handle = rank.arena.export(self.custody.access(lease))  # fresh for every lease
+            except BaseException:
+                self.leases.end(lease.id, LeaseEnd.released)
+                raise
+            self.custody.lease_granted(lease)
             info = lease.info(self.boot_id)
         self.metrics.leases_granted.inc()
         arena = ArenaDescriptor(index=0, nbytes=rank.arena.nbytes, handle=handle)
@@ -235,6 +259,7 @@ class Daemon:
             process_gone=how is LeaseEnd.reaped,
             now=self.leases.now(),
         )
+        self.custody.lease_ended(lease)
         if how is LeaseEnd.expired:  # reaped ones are logged once per dead client (sweep)
             log.info(
                 "lease %s on %s %s (pid %d)", lease.id, lease.model, how.value, lease.client_pid
@@ -248,9 +273,11 @@ class Daemon:
 
     def scrub(self) -> int:
         """Fail every ready model whose arena bytes changed since they were written (the
-        periodic scrub). Returns the number of models failed."""
+        periodic scrub); the keeper lets go of its arenas. Returns the number of models failed."""
         failed = scrub(self.models)  # the registry's scrub; this counts it
         for record in failed:
+            with self.lock:
+                self.custody.model_gone(record)
             self.metrics.arena_corruptions.labels(model=record.id).inc()
         self.metrics.scrubs.inc()
         return len(failed)
@@ -303,17 +330,17 @@ class Daemon:
 
     def inventory(self) -> Inventory:
         models = self.list_models()
+        held: dict[int | None, int] = {}
         with self.lock:
-            in_use = {
-                rank.arena.device.index
-                for record in self.models.records.values()
-                for rank in record.ranks
-                if rank.arena.device.index is not None
-            }
+            for record in self.models.records.values():
+                for rank in record.ranks:
+                    index = rank.arena.device.index
+                    held[index] = held.get(index, 0) + rank.arena.nbytes
+        in_use = {index for index in held if index is not None}
         return Inventory(
             boot_id=self.boot_id,
             version=__version__,
-            devices=device_infos(self.settings.device, self.settings.shm_dir, in_use),
+            devices=device_infos(self.settings.device, self.settings.shm_dir, in_use, held),
             cache_bytes=sum(m.bytes_resident for m in models),
             memory_budget=self.settings.memory_budget_bytes,
             models=models,

@@ -33,7 +33,7 @@ import ipaddress
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import ByteSize, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -41,6 +41,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from protocol.errors import UnauthorizedError
 from protocol.tokens import choose_token, read_token_file
 from protocol.version import DEFAULT_PORT
+from service.run_dir import default_run_dir
 from service.setting import ENV_PREFIX, setting
 
 __all__ = ["DEFAULT_PORT", "DaemonSettings"]
@@ -227,6 +228,28 @@ class DaemonSettings(BaseSettings):
         flag="--startup-slot-hold",
         help="Seconds an engine may hold its GPU's start-up slot before the next engine gets it",
         gt=0,
+    )
+    cuda_handles: Literal["fd", "ipc"] = setting(
+        "fd",
+        flag="--cuda-handles",
+        help="GPU arenas as shareable allocations passed to engines as file descriptors over "
+        "<run-dir>/handles.sock (fd), or legacy CUDA IPC, which needs the engine in the daemon's "
+        "PID and IPC namespaces (ipc)",
+    )
+    run_dir: Path = setting(
+        flag="--run-dir",
+        default_factory=default_run_dir,
+        help="Directory of the handle socket and the keeper's socket; in containers "
+        "/run/weight-cache, shared with the keeper and the engines",
+        shown="$XDG_RUNTIME_DIR/weight-cache, /run/weight-cache for root, else "
+        "/tmp/weight-cache-u<uid>",
+    )
+    keeper: Literal["auto", "external", "off"] = setting(
+        "auto",
+        flag="--keeper",
+        help="A keeper process holds the arenas so that a restarted daemon takes them over: auto "
+        "starts one (detached) if none answers on <run-dir>/keeper.sock, external requires one "
+        "(`weight-cache keeper`, e.g. a sidecar), off frees them with the daemon",
     )
 
     def __init__(self, **values: Any) -> None:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +17,11 @@ import torch
 from service.demo import write_demo_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+# Daemons the tests start (and their `serve` subprocesses) start no keeper unless a test asks,
+# and keep their sockets out of the machine's own run directory.
+os.environ.setdefault("WEIGHT_CACHE_KEEPER", "off")
+os.environ.setdefault("WEIGHT_CACHE_RUN_DIR", tempfile.mkdtemp(prefix="wc-run-"))
 MODELOPT_EXPORTS = sorted(p for p in (FIXTURES / "modelopt").iterdir() if p.is_dir())
 
 

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,9 @@ def make_settings(tmp_path: Path, models: list[Path], **over: Any) -> DaemonSett
         "shm_dir": shm,
         "cache_dir": tmp_path / "cache",
         "reaper_interval_s": 0.05,
+        # Its own run directory: a test may start several daemons from one tmp_path.
+        "run_dir": Path(tempfile.mkdtemp(prefix="run-", dir=tmp_path)),
+        "keeper": "off",
     }
     values.update(over)
     return DaemonSettings(**values)
@@ -67,6 +71,7 @@ class DaemonProcess:
     process: subprocess.Popen[bytes]
     shm_dir: Path  # the daemon's private arena directory under the --shm-dir given
     log: Path
+    run_dir: Path  # its handle socket and its keeper's socket
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.process.poll() is None:
@@ -89,8 +94,14 @@ def start_daemon(
     wait_ready: bool = True,
     device: str = "cpu",
     timeout_s: float = 60.0,
+    run_dir: Path | None = None,
+    keeper: str = "off",
 ) -> DaemonProcess:
+    """``weight-cache serve`` on ``port`` (a free one by default), its run directory
+    ``run_dir`` (default ``tmp_path/run-<port>``: a daemon started again on the same port finds
+    its keeper), the keeper ``keeper`` (off by default: a test that wants one says so)."""
     port = port or free_port()
+    run_dir = run_dir or tmp_path / f"run-{port}"
     shm_dir = shm_dir or tmp_path / "shm"
     shm_dir.mkdir(parents=True, exist_ok=True)
     log = tmp_path / f"daemon-{port}-{time.monotonic_ns()}.log"
@@ -115,11 +126,15 @@ def start_daemon(
         **os.environ,
         "WEIGHT_CACHE_CACHE_DIR": str(tmp_path / "cache"),
         "WEIGHT_CACHE_REAPER_INTERVAL_S": "0.05",
+        "WEIGHT_CACHE_RUN_DIR": str(run_dir),
+        "WEIGHT_CACHE_KEEPER": keeper,
         **(env or {}),
     }
     with log.open("wb") as out:
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=full_env)
-    daemon = DaemonProcess(f"http://127.0.0.1:{port}", process, arena_dir_path(shm_dir), log)
+    daemon = DaemonProcess(
+        f"http://127.0.0.1:{port}", process, arena_dir_path(shm_dir), log, run_dir
+    )
     transport = httpx.HTTPTransport(uds=str(uds)) if uds else None
     poll = httpx.Client(transport=transport, base_url=daemon.url, timeout=1)
 
@@ -175,3 +190,73 @@ class InProcessDaemon:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def keeper_status(run_dir: Path) -> Any:
+    """The keeper's ``StatusReply`` on ``run_dir``, or None when none answers."""
+    from protocol.fd_passing import receive_message, send_message
+    from service.keeper.messages import Envelope, Status
+    from service.run_dir import KEEPER_SOCKET
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        try:
+            sock.connect(str(run_dir / KEEPER_SOCKET))
+        except OSError:
+            return None
+        try:
+            send_message(sock, Envelope(message=Status()))
+            got = receive_message(sock, Envelope, 1 << 20)
+        except ConnectionError:  # a keeper stopping closes the connections it had not taken
+            return None
+    return None if got is None else got[0].message
+
+
+def stop_keeper(run_dir: Path) -> None:
+    """SIGTERM the keeper on ``run_dir`` (it lets go of everything) and wait until it is gone."""
+    from tests.waiting import wait_for
+
+    status = keeper_status(run_dir)
+    if status is None:
+        return
+    os.kill(status.pid, signal.SIGTERM)
+    wait_for(lambda: keeper_status(run_dir) is None, timeout=30)
+
+
+class ComputingEngine:
+    """``tests.computing_engine`` in a child process: attached, computing, answering."""
+
+    def __init__(self, url: str, model: str, checkpoint: Path, device: str = "cpu") -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.computing_engine", url, model, str(checkpoint), device],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.attached = self._line()
+
+    def _line(self) -> dict[str, Any]:
+        import json
+
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the engine exited ({self.process.wait()})")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def ask(self, command: str = "status") -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return self._line()
+
+    def close(self) -> dict[str, Any]:
+        answer = self.ask("close")
+        self.process.wait(60)
+        return answer
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()

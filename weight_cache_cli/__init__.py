@@ -14,6 +14,7 @@ from service.env import LOG_FORMAT, LOG_LEVEL, check_environment
 from service.logs import FORMATS, LEVELS, configure_logging
 from weight_cache_cli.attach import attach_command
 from weight_cache_cli.demo import demo_checkpoint
+from weight_cache_cli.keeper import keeper
 from weight_cache_cli.openapi import openapi
 from weight_cache_cli.parking import parking
 from weight_cache_cli.serve import SettingsError, serve
@@ -64,7 +65,7 @@ def cli(log_level: str, log_format: str) -> None:
         raise SettingsError(str(exc)) from exc
 
 
-for command in (serve, status, attach_command, parking, openapi, demo_checkpoint):
+for command in (serve, keeper, status, attach_command, parking, openapi, demo_checkpoint):
     cli.add_command(command)
 
 

@@ -87,15 +87,21 @@ def build_settings(**flags: Any) -> DaemonSettings:
 
 def check_settings(settings: DaemonSettings) -> None:
     """Everything that can be known wrong before binding."""
+    from protocol.errors import WeightCacheError
     from service.memory.devices import resolve_placements
+    from service.memory.shm import group_id
+    from service.run_dir import prepare_run_dir
 
     try:
         settings.check_exposure()
         settings.check_directories()
         settings.startup_models()
         resolve_placements(settings.device, settings.tp_size)
+        prepare_run_dir(settings.run_dir, group_id(settings.shm_group))
     except ValueError as exc:
         raise SettingsError(str(exc)) from exc
+    except (WeightCacheError, OSError) as exc:
+        raise SettingsError(f"--run-dir: {exc}") from exc
 
 
 def bind(settings: DaemonSettings) -> socket.socket:
@@ -190,12 +196,17 @@ def serve(**flags: Any) -> None:
 def _run(settings: DaemonSettings, listener: socket.socket) -> Daemon:
     import uvicorn
 
+    from protocol.errors import KeeperUnavailableError
     from service.api.app import create_app
     from service.api.server import server_config
     from service.daemon import Daemon
 
     keep_responsive(settings.load_threads, settings.load_nice)
     daemon = Daemon(settings)
+    try:  # before any load: a keeper's arenas are taken over, not loaded again
+        daemon.custody.keeper.connect()
+    except KeeperUnavailableError as exc:
+        raise click.ClickException(exc.explain(cli=True)) from exc
     app = create_app(settings, daemon)
     # log_config=None and no log_level: uvicorn's loggers keep the handler and level that
     # --log-level and --log-format gave the whole process. The guarded protocol bounds

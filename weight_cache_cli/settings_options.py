@@ -53,6 +53,8 @@ def _click_type(value: Any, field: FieldInfo, checked: bool) -> click.ParamType[
         return click.IntRange(*_bounds(field)) if checked else click.INT
     if value is float:
         return click.FLOAT
+    if typing.get_origin(value) is typing.Literal:
+        return click.Choice([str(choice) for choice in typing.get_args(value)])
     if value is Path:
         if checked:
             return click.Path(path_type=Path, exists=True, dir_okay=False)

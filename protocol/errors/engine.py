@@ -59,12 +59,28 @@ class ArenaUnavailableError(AttachError):
     status = 503
     title = "The leased arena cannot be opened"
     hint = (
-        "run the engine in the daemon's IPC namespace and /dev/shm (compose: `ipc: "
-        "service:daemon`); the engine falls back meanwhile"
+        "share the daemon's run directory with the engine (/run/weight-cache in compose), or set "
+        "the loader's handle_socket; the engine falls back meanwhile"
     )
 
 
 class IpcOpenError(ArenaUnavailableError):
     code = "ipc_open_failed"
-    title = "CUDA refused the leased IPC handle"
-    hint = "run the engine on the daemon's GPU, in its PID and IPC namespaces"
+    title = "CUDA refused the leased IPC handle or descriptor"
+    hint = (
+        "run the engine on the daemon's GPU with cuda-bindings installed (with --cuda-handles "
+        "ipc, also in the daemon's PID and IPC namespaces)"
+    )
+
+
+class HandleRefusedError(ArenaUnavailableError):
+    """The daemon's handle socket would not pass a descriptor: not the lease's holder (peer
+    credentials or secret), or no such live lease; ``why`` says which."""
+
+    code = "handle_refused"
+    status = 403
+    title = "The handle socket refused the request"
+    hint = (
+        "ask for the descriptor from the process that holds the lease, with the lease's secret, "
+        "as the same user as the daemon (or root)"
+    )

@@ -100,3 +100,28 @@ class ShmDirError(WeightCacheError):
     status = 500
     title = "Unsafe shared-memory directory"
     hint = "give the daemon a --shm-dir it owns (a directory, not a link)"
+
+
+class CudaDriverError(WeightCacheError):
+    """A call into the CUDA driver (``cuda-bindings``) failed; ``call`` and ``result`` name it."""
+
+    code = "cuda_driver_error"
+    status = 500
+    title = "A CUDA driver call failed"
+    hint = (
+        "check the GPU driver and that cuda-bindings is installed (pip install "
+        "'weight-cache[cuda]'), or start the daemon with --cuda-handles ipc"
+    )
+
+
+class KeeperUnavailableError(WeightCacheError):
+    """No keeper answers on the run directory's socket (``--keeper external``), or it serves
+    another daemon."""
+
+    code = "keeper_unavailable"
+    status = 503
+    title = "No keeper for this daemon"
+    hint = (
+        "start `weight-cache keeper` on the same --run-dir (or use --keeper auto), and stop any "
+        "other daemon using that keeper"
+    )

@@ -15,6 +15,14 @@ class DeviceInfo(BaseModel):
     compute_capability: str | None
     total_memory: int = Field(description="bytes; shared-memory capacity on the CPU")
     free_memory: int | None = Field(description="bytes; null when unknown without a CUDA context")
+    process_memory: int | None = Field(
+        default=None,
+        description="bytes of this device the daemon's process holds in all (on a GPU: its CUDA "
+        "context, torch's pool and its arenas, per NVML); null when unknown",
+    )
+    process_memory_source: str = Field(
+        default="", description="where process_memory comes from, or why it is unknown"
+    )
 
 
 class Inventory(BaseModel):

@@ -23,7 +23,10 @@ class DeviceKind(str, enum.Enum):
 class DaemonIdentity(BaseModel):
     model_config = _FROZEN
 
-    boot_id: str = Field(description="random per daemon start; a change means it restarted")
+    boot_id: str = Field(
+        description="random per daemon start; in a manifest, the daemon that processed the "
+        "arena (a later daemon may have taken it over: leases name the one answering now)"
+    )
     protocol_version: int
     weight_cache_version: str
     torch_version: str
@@ -95,8 +98,20 @@ class CudaIpcHandle(BaseModel):
     tensor_size: int = Field(description="arena length in bytes")
 
 
+class HandleAccess(BaseModel):
+    """How this lease's holder asks the daemon's handle socket for the arena's descriptor: the
+    socket (answering only the lease's holder, by peer credentials) and the lease's secret."""
+
+    model_config = _FROZEN
+
+    socket: str = Field(description="the daemon's handle socket, <run_dir>/handles.sock")
+    secret: str = Field(description="this lease's secret, presented with the lease's id")
+
+
 class ShmHandle(BaseModel):
-    """A file under /dev/shm holding the arena; the engine maps it read-only."""
+    """A file under /dev/shm holding the arena; the engine maps it read-only, from the
+    descriptor the handle socket passes when ``access`` is given and the socket answers, else
+    from the path."""
 
     model_config = _FROZEN
 
@@ -104,9 +119,23 @@ class ShmHandle(BaseModel):
     path: str
     size: int
     boot_id: str
+    access: HandleAccess | None = None
 
 
-ArenaHandle = Annotated[CudaIpcHandle | ShmHandle, Field(discriminator="kind")]
+class CudaFdHandle(BaseModel):
+    """A shareable CUDA allocation (``cuMemCreate``), passed as a POSIX file descriptor by the
+    daemon's handle socket (``SCM_RIGHTS``) to the lease's holder, who imports and maps it."""
+
+    model_config = _FROZEN
+
+    kind: Literal["cuda_fd"] = "cuda_fd"
+    device_uuid: str
+    allocation_size: int = Field(description="bytes of the allocation (granularity multiple)")
+    size: int = Field(description="arena bytes, from the allocation's start")
+    access: HandleAccess
+
+
+ArenaHandle = Annotated[CudaIpcHandle | ShmHandle | CudaFdHandle, Field(discriminator="kind")]
 
 
 class ArenaDescriptor(BaseModel):

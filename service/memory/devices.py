@@ -16,6 +16,7 @@ import torch
 from protocol.devices import Placement
 from protocol.schemas.inventory import DeviceInfo
 from protocol.schemas.manifest import DeviceIdentity, DeviceKind
+from service.memory.footprint import gpu_footprint
 
 
 def resolve_placements(device: str, tp_size: int) -> list[Placement]:
@@ -51,14 +52,26 @@ def _free_without_a_context(uuid: str) -> int | None:
         return None
 
 
-def device_infos(device: str, shm_dir: Path, in_use: set[int]) -> list[DeviceInfo]:
-    """Every device the daemon may place arenas on, with its memory. Free memory comes from
-    torch only for GPUs already holding arenas (``in_use``), else from NVML if it can."""
+def device_infos(
+    device: str, shm_dir: Path, in_use: set[int], held: dict[int | None, int] | None = None
+) -> list[DeviceInfo]:
+    """Every device the daemon may place arenas on, with its memory and the daemon's footprint
+    there (``held``: arena bytes by CUDA index, None for host shared memory). Free memory comes
+    from torch only for GPUs already holding arenas (``in_use``), else from NVML if it can."""
+    held = held or {}
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         usage = shutil.disk_usage(shm_dir)
-        return [_info(Placement(DeviceKind.cpu).identity(), usage.total, usage.free)]
+        info = _info(Placement(DeviceKind.cpu).identity(), usage.total, usage.free)
+        return [
+            info.model_copy(
+                update={
+                    "process_memory": held.get(None, 0),
+                    "process_memory_source": "shared-memory arena files",
+                }
+            )
+        ]
     indices = (
         range(torch.cuda.device_count()) if device == "cuda" else [int(device.split(":", 1)[1])]
     )
@@ -71,7 +84,11 @@ def device_infos(device: str, shm_dir: Path, in_use: set[int]) -> list[DeviceInf
             if index in in_use
             else _free_without_a_context(ident.uuid)
         )
-        infos.append(_info(ident, torch.cuda.get_device_properties(index).total_memory, free))
+        info = _info(ident, torch.cuda.get_device_properties(index).total_memory, free)
+        used, source = gpu_footprint(ident.uuid, index, held.get(index, 0), index in in_use)
+        infos.append(
+            info.model_copy(update={"process_memory": used, "process_memory_source": source})
+        )
     return infos
 
 

@@ -41,7 +41,7 @@ def arena_dir_path(root: Path, uid: int | None = None) -> Path:
     return Path(root) / f"{FILE_PREFIX}u{os.geteuid() if uid is None else uid}"
 
 
-def _group_id(group: str | None) -> int | None:
+def group_id(group: str | None) -> int | None:
     if group is None:
         return None
     try:
@@ -64,7 +64,7 @@ class ArenaDir:
     @classmethod
     def prepare(cls, root: Path, group: str | None = None) -> ArenaDir:
         """Create (or adopt) the directory: ours, not a link, mode 0700 (0750 for a group)."""
-        gid = _group_id(group)
+        gid = group_id(group)
         path = arena_dir_path(root)
         try:
             root_fd = os.open(root, _DIR_FLAGS)
@@ -166,11 +166,62 @@ class ShmFile:
         self.tensor = byte_tensor(mapping)
         del mapping  # the tensor holds the mapping; it is unmapped with the last view
 
+    @classmethod
+    def adopt(cls, directory: ArenaDir, name: str, fd: int, nbytes: int) -> ShmFile:
+        """The arena file ``name`` of an earlier daemon, from a descriptor of it the keeper held
+        (the same open file, so the same lock): still at its path, regular and of its size, or
+        ``ValueError`` saying what changed. The descriptor becomes this file's."""
+        st = os.fstat(fd)
+        try:
+            now = os.stat(name, dir_fd=directory.fd, follow_symlinks=False)
+        except OSError as exc:
+            raise ValueError(f"{directory.path / name} is gone ({exc.strerror})") from exc
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{directory.path / name} was replaced by another file")
+        if st.st_size != nbytes:
+            raise ValueError(f"{directory.path / name} holds {st.st_size} bytes, not {nbytes}")
+        self = cls.__new__(cls)
+        self.name, self.directory, self.path, self.nbytes = (
+            name,
+            directory,
+            directory.path / name,
+            nbytes,
+        )
+        self._fd = fd
+        self.tensor = byte_tensor(
+            mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        )
+        return self
+
+    @property
+    def fd(self) -> int:
+        """The descriptor held for the arena's life (its lock says a live daemon or keeper owns
+        the file); passed to engines and to the keeper, which share the lock through it."""
+        return self._fd
+
+    def open_read_only(self) -> int:
+        """A new read-only descriptor of this file (``OSError`` if its name no longer names it)."""
+        fd = os.open(
+            self.name,
+            os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+            dir_fd=self.directory.fd,
+        )
+        held, opened = os.fstat(self._fd), os.fstat(fd)
+        if (held.st_dev, held.st_ino) != (opened.st_dev, opened.st_ino):
+            os.close(fd)
+            raise OSError(f"{self.path} no longer names the arena's file")
+        return fd
+
     def close(self) -> None:
         """Unlink and drop the mapping (unmapped once no view of it is left); engines that
         mapped the file keep their pages until they unmap."""
         del self.tensor
         self.directory.unlink(self.name)
+        os.close(self._fd)
+
+    def detach(self) -> None:
+        """Drop this process's mapping and descriptor, leaving the file to the keeper."""
+        del self.tensor
         os.close(self._fd)
 
 
@@ -226,6 +277,19 @@ def _remove_stale(dir_fd: int, directory: Path) -> list[Path]:
         ):
             removed.append(directory / entry.name)
     return removed
+
+
+def remove_if_held(path: Path, fd: int) -> bool:
+    """Unlink ``path`` if it still names the file open as ``fd`` (not a file put in its place):
+    an arena file let go of by whoever held it last."""
+    try:
+        held, named = os.fstat(fd), os.stat(path, follow_symlinks=False)
+        if (held.st_dev, held.st_ino) != (named.st_dev, named.st_ino):
+            return False
+        path.unlink()
+    except OSError:
+        return False
+    return True
 
 
 def remove_stale_files(directory: Path) -> list[Path]:

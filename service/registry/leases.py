@@ -46,6 +46,8 @@ class Lease:
     expires_at: float
     ttl_s: float
     renewals: int = 0
+    # Presented with the lease id to the handle socket: only the grant's receiver knows it.
+    secret: str = ""
 
     def info(self, boot_id: str) -> LeaseInfo:
         return LeaseInfo(
@@ -133,12 +135,23 @@ class LeaseTable:
             granted_at=now,
             expires_at=now + ttl_s,
             ttl_s=ttl_s,
+            secret=secrets.token_urlsafe(18),  # 144 bits
         )
+        self._insert(lease)
+        return lease
+
+    def adopt(self, lease: Lease, now: float) -> Lease:
+        """Take over a lease an earlier daemon granted (same id and secret), with a full TTL
+        from ``now``: its engine could not renew while no daemon answered."""
+        lease.expires_at = max(lease.expires_at, now + lease.ttl_s)
+        self._insert(lease)
+        return lease
+
+    def _insert(self, lease: Lease) -> None:
         self.active[lease.id] = lease
         heapq.heappush(self._expiries, (lease.expires_at, lease.id))
-        self._by_model[model] += 1
-        self._by_pid.setdefault(client_pid, set()).add(lease.id)
-        return lease
+        self._by_model[lease.model] += 1
+        self._by_pid.setdefault(lease.client_pid, set()).add(lease.id)
 
     def _start_of(self, pid: int) -> int | None:
         ids = self._by_pid.get(pid)

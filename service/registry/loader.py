@@ -35,7 +35,8 @@ from protocol.schemas.manifest import (
     TensorEntry,
 )
 from protocol.version import PROTOCOL_VERSION, __version__
-from service.memory.arena import Arena, ShmArena, allocate_arena
+from service.memory.arena import Arena, ShmArena, VmmArena, allocate_arena
+from service.memory.digest import arena_digest
 from service.memory.layout import pack
 from service.memory.shm import ArenaDir
 
@@ -66,6 +67,8 @@ class ResidentRank:
 
     arena: Arena
     manifest: Manifest
+    # service.memory.digest of a GPU arena taken at load, checked when a new daemon adopts it.
+    digest: str | None = None
     manifest_json: bytes = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +89,7 @@ class LoadRequest:
     # Told what the checkpoint is as soon as it opened (engines match models by fingerprint),
     # and again with the full-tier digest once every byte was read.
     opened: Callable[[CheckpointIdentity], None]
+    cuda_handles: str = "fd"  # GPU arenas: shareable allocations (fd) or legacy IPC (ipc)
 
     @classmethod
     def unmanaged(
@@ -235,7 +239,9 @@ def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
 
         for plan, layout, placement in zip(plans, layouts, req.placements, strict=True):
             label = f"{req.model_id}-r{plan.tp_rank}"
-            arena = allocate_arena(layout, placement, req.arena_dir, req.daemon.boot_id, label)
+            arena = allocate_arena(
+                layout, placement, req.arena_dir, req.daemon.boot_id, label, req.cuda_handles
+            )
             arenas.append(arena)
 
             with _destinations(arena) as storage_for:
@@ -251,7 +257,11 @@ def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
         )
         req.opened(identity)
         return [
-            ResidentRank(arena, _manifest(req, identity, plan, arena, checksums))
+            ResidentRank(
+                arena,
+                _manifest(req, identity, plan, arena, checksums),
+                arena_digest(arena.base) if isinstance(arena, VmmArena) else None,
+            )
             for plan, arena, checksums in processed
         ]
     except BaseException:
@@ -260,3 +270,12 @@ def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
         raise
     finally:
         ckpt.close()
+        _release_scratch(req)
+
+
+def _release_scratch(req: LoadRequest) -> None:
+    """Give the processing's scratch back to the driver: torch's caching allocator keeps what
+    the load used (several GiB for an 8B model) unless emptied, and the daemon's footprint is
+    meant to be its arenas (which live outside that pool) and its CUDA context."""
+    if any(p.kind is DeviceKind.cuda for p in req.placements):
+        torch.cuda.empty_cache()

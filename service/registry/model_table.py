@@ -43,10 +43,14 @@ class ModelTable:
         settings: DaemonSettings,
         lock: threading.RLock,
         on_loaded: Callable[[float], None] = lambda seconds: None,
+        on_ready: Callable[[ModelRecord], None] = lambda record: None,
+        on_gone: Callable[[ModelRecord], None] = lambda record: None,
     ) -> None:
         self.settings = settings
         self.lock = lock
         self.on_loaded = on_loaded  # told each successful load's seconds (a histogram)
+        self.on_ready = on_ready  # told each model that became ready (the keeper keeps it)
+        self.on_gone = on_gone  # told each ready model that failed after (the keeper drops it)
         self.records: dict[str, ModelRecord] = {}
         # Models asked for at start and not unloaded since: what /ready waits for.
         self.startup: list[str] = []
@@ -88,6 +92,18 @@ class ModelTable:
             self.records.clear()
         self.join_loads(timeout=30)
 
+    def detach_all(self) -> None:
+        """Cancel every load and drop this process's hold on every arena without giving the
+        memory back: the keeper holds it for the next daemon (shutdown with a keeper)."""
+        with self.lock:
+            for record in self.records.values():
+                record.progress.cancelled.set()
+                for rank in record.ranks:
+                    rank.arena.detach()
+                record.ranks = []
+            self.records.clear()
+        self.join_loads(timeout=30)
+
     def join_loads(self, timeout: float) -> None:
         """Wait for the load threads started so far, each up to ``timeout`` seconds."""
         for thread in list(self._threads):
@@ -111,6 +127,7 @@ class ModelTable:
                     tp_rank=rank.manifest.tp_rank,
                 )
             )
+            self.on_gone(record)
             log.error("%s failed: %s", record.id, record.error)
             return
 
@@ -144,11 +161,15 @@ class ModelTable:
         tp_size: int,
         arena_dir: ArenaDir | None,
         daemon: DaemonIdentity,
+        adopted: Callable[[str, Path, int], bool] = lambda model_id, path, tp_size: False,
     ) -> None:
         """Start loading the models asked for at start, from anywhere (no allowed root applies):
-        ``/ready`` waits for them, and one whose load cannot even start is listed as failed."""
+        ``/ready`` waits for them, and one whose load cannot even start is listed as failed.
+        One ``adopted`` says was taken over from the keeper is ready already: not loaded."""
         for path, model_id in models:
             self.startup.append(model_id)
+            if adopted(model_id, path, tp_size):
+                continue
             try:
                 self.start_load(path, model_id, tp_size, PathPolicy(), arena_dir, daemon)
             except WeightCacheError as exc:  # reported by /ready, not fatal to the daemon
@@ -253,6 +274,7 @@ class ModelTable:
             record.load_seconds = time.monotonic() - record.started_at
             record.state = ModelState.ready
         self.on_loaded(record.load_seconds)
+        self.on_ready(record)
         log.info(
             "%s ready: %d bytes in %.2f s", record.id, record.bytes_resident, record.load_seconds
         )

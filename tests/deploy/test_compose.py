@@ -56,7 +56,7 @@ def test_daemon_service(compose: dict[str, Any]) -> None:
     daemon = compose["services"]["daemon"]
     assert daemon["build"]["dockerfile"] == "docker/Dockerfile"
     assert all(p.startswith("127.0.0.1:") for p in daemon["ports"])
-    assert daemon["volumes"] == ["/srv/models:/models:ro"]
+    assert daemon["volumes"] == ["/srv/models:/models:ro", "run:/run/weight-cache"]
     assert daemon["environment"]["WEIGHT_CACHE_TOKEN_FILE"] == "/run/secrets/weight_cache_token"
     # the image's non-root user (uid/gid 10001) can read the secret
     assert daemon["secrets"] == [
@@ -72,7 +72,7 @@ def test_daemon_service(compose: dict[str, Any]) -> None:
     from service.env import check_environment
 
     check_environment(daemon["environment"])
-    assert daemon["ipc"] == "shareable"
+    assert "ipc" not in daemon and "pid" not in daemon  # descriptors need no shared namespace
     assert daemon["restart"] == "unless-stopped"
     (gpu,) = daemon["deploy"]["resources"]["reservations"]["devices"]
     assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
@@ -80,6 +80,32 @@ def test_daemon_service(compose: dict[str, Any]) -> None:
     args = daemon["command"]
     assert args[args.index("--allowed-root") + 1] == "/models"
     assert "--keep-going" in args  # a failed model leaves the engine its fallback
+    assert args[args.index("--run-dir") + 1] == "/run/weight-cache"
+    assert args[args.index("--keeper") + 1] == "external"  # the keeper outlives its container
+    assert daemon["depends_on"] == {"keeper": {"condition": "service_healthy"}}
+
+
+def test_keeper_service(compose: dict[str, Any]) -> None:
+    """The keeper runs the daemon's image as `weight-cache keeper` on the shared run directory,
+    with no GPU (it holds descriptors only), and is healthy once its socket answers."""
+    keeper = compose["services"]["keeper"]
+    assert keeper["image"] == compose["services"]["daemon"]["image"]
+    assert keeper["entrypoint"] == ["weight-cache", "keeper"]
+    assert keeper["command"] == ["--run-dir", "/run/weight-cache"]
+    assert keeper["volumes"] == ["run:/run/weight-cache"]
+    assert "deploy" not in keeper and "ports" not in keeper
+    assert "/run/weight-cache/keeper.sock" in " ".join(keeper["healthcheck"]["test"])
+    assert keeper["restart"] == "unless-stopped"
+    from service.env import check_environment
+
+    check_environment(keeper["environment"])
+    assert compose["volumes"] == {"run": {}}
+    from click.testing import CliRunner
+
+    from weight_cache_cli import cli
+
+    help_text = CliRunner().invoke(cli, ["keeper", "--help"]).output
+    assert "--run-dir" in help_text  # the flags the service passes exist
 
 
 def test_daemon_readiness_gates_the_engine(compose: dict[str, Any]) -> None:
@@ -93,6 +119,7 @@ def test_daemon_readiness_gates_the_engine(compose: dict[str, Any]) -> None:
     )
     assert custom["services"]["daemon"]["healthcheck"]["start_period"] == "45m"
     dockerfile = (DOCKER / "Dockerfile").read_text()
+    assert "chown 10001:10001 /run/weight-cache" in dockerfile  # the volume starts out theirs
     (healthcheck,) = re.findall(r"^HEALTHCHECK .*\n.*$", dockerfile, re.M)
     assert "/health'" in healthcheck and "/ready" not in healthcheck
 
@@ -124,11 +151,11 @@ def test_build_context_and_git_leave_out_local_files() -> None:
 def test_engine_service(compose: dict[str, Any]) -> None:
     engine = compose["services"]["engine"]
     assert engine["build"]["dockerfile"] == "docker/Dockerfile.vllm"
-    # legacy CUDA IPC across containers: the daemon's PID and IPC namespaces
-    assert engine["pid"] == "service:daemon" and engine["ipc"] == "service:daemon"
+    # descriptors over the shared run directory: no PID or IPC namespace of the daemon's
+    assert "pid" not in engine and "ipc" not in engine
     assert engine["depends_on"] == {"daemon": {"condition": "service_healthy"}}
     assert all(p.startswith("127.0.0.1:") for p in engine["ports"])
-    assert engine["volumes"] == ["/srv/models:/models:ro"]
+    assert engine["volumes"] == ["/srv/models:/models:ro", "run:/run/weight-cache"]
     assert engine["secrets"] == ["weight_cache_token"]
     assert engine["restart"] == "unless-stopped"
     assert engine["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
@@ -162,7 +189,7 @@ def test_daemon_dockerfile() -> None:
     assert re.search(r"^USER 10001", text, re.M)  # not root
     assert "HEALTHCHECK" in text
     assert 'ENTRYPOINT ["weight-cache", "serve"]' in text
-    assert '".[daemon]"' in text
+    assert '".[daemon,cuda]"' in text
     vllm = (DOCKER / "Dockerfile.vllm").read_text()
     assert "vllm/vllm-openai:v0.33.0" in vllm
 
@@ -200,7 +227,24 @@ def test_docker_compose_validates_the_file(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     rendered = yaml.safe_load(out.stdout)
-    assert rendered["services"]["engine"]["pid"] == "service:daemon"
+    services = rendered["services"]
+    assert "pid" not in services["engine"] and "ipc" not in services["engine"]
+    for name in ("daemon", "keeper", "engine"):  # one named volume, the run directory
+        assert mounts(services[name]["volumes"])["/run/weight-cache"] == "run", name
+    assert "run" in rendered["volumes"]
+
+
+def mounts(volumes: list[Any]) -> dict[str, str]:
+    """target -> source of a service's volumes, in the short (``src:dst[:mode]``) or the long
+    syntax, as docker-compose versions render them."""
+    found = {}
+    for volume in volumes:
+        if isinstance(volume, str):
+            source, target = volume.split(":")[:2]
+        else:
+            source, target = volume["source"], volume["target"]
+        found[target] = source
+    return found
 
 
 def test_standby_and_proxy_form_one_topology(compose: dict[str, Any]) -> None:
@@ -212,7 +256,7 @@ def test_standby_and_proxy_form_one_topology(compose: dict[str, Any]) -> None:
     engine, standby, proxy = services["engine"], services["standby"], services["proxy"]
     assert standby["profiles"] == proxy["profiles"] == ["standby"]
     assert "profiles" not in engine and "profiles" not in services["daemon"]
-    for same in ("image", "pid", "ipc", "secrets", "volumes", "depends_on", "deploy", "restart"):
+    for same in ("image", "secrets", "volumes", "depends_on", "deploy", "restart"):
         assert standby[same] == engine[same], same
     args = standby["command"]
     extra = json.loads(args[args.index("--model-loader-extra-config") + 1])

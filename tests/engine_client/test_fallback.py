@@ -111,14 +111,14 @@ def _descriptor(path: Path, size: int) -> ArenaDescriptor:
 
 def test_an_arena_that_cannot_be_mapped_is_typed(tmp_path: Path) -> None:
     with pytest.raises(ArenaUnavailableError) as err:
-        open_arena(_descriptor(tmp_path / "gone", 4096))
+        open_arena(_descriptor(tmp_path / "gone", 4096), "b00t.1")
     assert err.value.reason is Reason.arena_unavailable and err.value.extra["file"].endswith("gone")
     short = tmp_path / "short"
     short.write_bytes(b"\0" * 100)
     with pytest.raises(ArenaUnavailableError, match="100 bytes"):
-        open_arena(_descriptor(short, 4096))
+        open_arena(_descriptor(short, 4096), "b00t.1")
     with pytest.raises(ArenaUnavailableError):
-        open_arena(_descriptor(tmp_path, 4096))  # a directory
+        open_arena(_descriptor(tmp_path, 4096), "b00t.1")  # a directory
 
 
 class AnswerServer(ThreadingHTTPServer):
@@ -178,10 +178,12 @@ def prometheus(reason: Reason) -> float:
 
 
 def real_grant(daemon: DaemonProcess) -> dict[str, object]:
-    """A grant as the daemon wrote it, released at once (only its shape is reused)."""
+    """A grant as the daemon wrote it, released at once (only its shape is reused: the arena
+    is mapped by its path, the released lease's handle access dropped)."""
     grant = httpx.post(f"{daemon.url}/v1/leases", json=lease_body()).json()
     httpx.delete(f"{daemon.url}/v1/leases/{grant['lease']['id']}")
     assert isinstance(grant, dict)
+    grant["arenas"][0]["handle"]["access"] = None
     return grant
 
 
@@ -213,10 +215,13 @@ def test_a_grant_of_the_wrong_shape_falls_back(answer, tiny_fp8: Path, caplog) -
 def test_an_arena_gone_before_the_engine_maps_it_falls_back(
     answer, daemon_process: DaemonProcess, tiny_fp8: Path, tmp_path: Path, caplog
 ) -> None:
-    """A grant naming a file this engine cannot see (another /dev/shm, or removed since): the
-    lease is released and the engine loads from disk."""
+    """A grant naming a file this engine cannot see (another /dev/shm, or removed since) and a
+    handle socket it cannot reach (the run directory not shared): the lease is released and the
+    engine loads from disk."""
     grant = real_grant(daemon_process)
-    grant["arenas"][0]["handle"]["path"] = str(tmp_path / "not-here")  # type: ignore[index]
+    handle = grant["arenas"][0]["handle"]  # type: ignore[index]
+    handle["path"] = str(tmp_path / "not-here")
+    handle["access"] = {"socket": str(tmp_path / "no.sock"), "secret": "s"}
     server = answer(201, json.dumps(grant).encode())
     _fall_back(server.url, tiny_fp8, Reason.arena_unavailable, caplog)
     assert ("DELETE", f"/v1/leases/{grant['lease']['id']}") in server.requests  # type: ignore[index]
@@ -267,5 +272,5 @@ def test_a_refused_ipc_handle_is_typed() -> None:
         tensor_size=1 << 20,
     )
     with pytest.raises(IpcOpenError) as err:
-        open_arena(ArenaDescriptor(index=0, nbytes=1 << 20, handle=handle))
+        open_arena(ArenaDescriptor(index=0, nbytes=1 << 20, handle=handle), "b00t.1")
     assert err.value.reason is Reason.ipc_open_failed

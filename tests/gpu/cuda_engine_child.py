@@ -1,9 +1,11 @@
-"""The engine process of the GPU lease test (run as a script): attaches over CUDA IPC, reports
-every tensor, then waits for a line on stdin and reports the first weight's bytes again."""
+"""The engine process of the GPU lease tests (run as a script): attaches (descriptor or legacy
+CUDA IPC, whichever the daemon lends), reports every tensor, how it opened the arena and its own
+pid, then waits for a line on stdin and reports the first weight's bytes again."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +26,9 @@ def main() -> None:
         assert base is not None
         report = {
             "zero_copy": att.zero_copy(),
+            "via": att.arena.via,
+            "read_only": att.arena.read_only,
+            "pid": os.getpid(),
             "device": str(base.device),
             "timings": {
                 "lease_ms": att.timings.lease_ms,

@@ -1,8 +1,10 @@
-"""The end-to-end proof on a GPU, as one re-runnable script (``python -m tests.gpu.gpu_proof OUT``).
+"""The end-to-end proof on a GPU, as one re-runnable script
+(``python -m tests.gpu.gpu_proof OUT [SHAPE] [fd|ipc]``).
 
-A daemon process (uvicorn, ``--device cuda:0``) holds a demo checkpoint of each scheme. For each,
-an engine process loads the model four ways: an ordinary load from disk, a fallback load with the
-daemon unreachable, an IPC attach, and a second IPC attach (fallback forbidden on both attaches).
+A daemon process (uvicorn, ``--device cuda:0``, ``--cuda-handles fd`` by default) holds a demo
+checkpoint of each scheme. For each, an engine process loads the model four ways: an ordinary
+load from disk, a fallback load with the daemon unreachable, an attach, and a second attach
+(fallback forbidden on both; descriptors, or legacy IPC handles with ``ipc``).
 Every layer's ``torch._scaled_mm`` output must be bitwise equal across the four; the two attaches
 must share the daemon's memory (same pointers, no copy). Results go to ``OUT/gpu_proof.json``.
 On a machine without CUDA it runs the same steps on the CPU twin (shared memory, emulated GEMM).
@@ -65,6 +67,7 @@ def engine(url: str, model: str, checkpoint: Path) -> dict[str, Any]:
     }
 
     allocated = torch.cuda.memory_allocated(device) if cuda else 0
+    free_before = torch.cuda.mem_get_info(device)[0] if cuda else 0
     attaches: list[EngineWeights] = []
     for label in ("attach_1", "attach_2"):
         result = attach_or_read(
@@ -81,14 +84,24 @@ def engine(url: str, model: str, checkpoint: Path) -> dict[str, Any]:
             "rebuild_ms": att.timings.rebuild_ms,
             "attach_ms": att.timings.attach_ms,
             "zero_copy": att.zero_copy(),
+            "via": att.arena.via,
             "bitwise_equal": _outputs_equal(reference, run_layers(att.layers, att.tensors, device)),
             "layouts_equal_ordinary_load": att.layers == layers,
         }
     first, second = (r.tensors for r in attaches)
-    if cuda:  # torch maps one IPC allocation once per process: the same device pointers
+    leased = attaches[0].attachment.nbytes if attaches[0].attachment else 0
+    if cuda:
+        # Mapping the daemon's memory twice takes no device memory of its own.
+        drop = free_before - torch.cuda.mem_get_info(device)[0]
+        report["device_memory_drop_bytes"] = drop
+        report["attaches_take_no_device_memory"] = drop < max(leased, 64 << 20)
+    if cuda and report["attach_1"]["via"] == "cuda_ipc":
+        # torch maps one IPC allocation once per process: the same device pointers
         report["attaches_share_pointers"] = all(
             first[n].data_ptr() == second[n].data_ptr() for n in first
         )
+    elif cuda:  # each attach maps the daemon's allocation from its own descriptor
+        report["attaches_share_pointers"] = None
     else:  # two read-only mappings of the same shared-memory file: the same pages
         handles = [r.attachment.grant.arenas[0].handle for r in attaches if r.attachment]
         report["attaches_share_pointers"] = len({getattr(h, "path", None) for h in handles}) == 1
@@ -104,7 +117,7 @@ def engine(url: str, model: str, checkpoint: Path) -> dict[str, Any]:
     return report
 
 
-def main(out: Path, shape: str = "qwen2.5-0.5b") -> dict[str, Any]:
+def main(out: Path, shape: str = "qwen2.5-0.5b", handles: str = "fd") -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     checkpoints = []
@@ -116,8 +129,15 @@ def main(out: Path, shape: str = "qwen2.5-0.5b") -> dict[str, Any]:
     work = out / "daemon"
     work.mkdir(exist_ok=True)
     models = [item for p in checkpoints for item in ("--model", str(p))]
-    daemon = start_daemon(work, [], *models, device=device, timeout_s=600)
-    summary: dict[str, Any] = {"shape": shape, "daemon_device": device, "runs": []}
+    daemon = start_daemon(
+        work, [], *models, "--cuda-handles", handles, device=device, timeout_s=600
+    )
+    summary: dict[str, Any] = {
+        "shape": shape,
+        "daemon_device": device,
+        "cuda_handles": handles,
+        "runs": [],
+    }
     try:
         inventory = json.loads(
             subprocess.run(
@@ -159,7 +179,8 @@ def main(out: Path, shape: str = "qwen2.5-0.5b") -> dict[str, Any]:
         "error" not in r
         and r["fallback"]["reason"] == "daemon_unavailable"
         and r["fallback"]["bitwise_equal"]
-        and r["attaches_share_pointers"]
+        and r["attaches_share_pointers"] in (True, None)
+        and r.get("attaches_take_no_device_memory", True)
         and r["engine_allocator_growth_bytes"] == 0
         and all(
             r[a]["bitwise_equal"]
@@ -179,13 +200,14 @@ if __name__ == "__main__":
     if sys.argv[1] == "engine":
         print(json.dumps(engine(sys.argv[2], sys.argv[3], Path(sys.argv[4]))))
     else:
-        result = main(Path(sys.argv[1]), *(sys.argv[2:3]))
+        result = main(Path(sys.argv[1]), *(sys.argv[2:4]))
         for run in result["runs"]:
             if "error" in run:
                 print(run["model"], "ERROR", run["error"][-800:])
                 continue
             print(
-                f"{run['model']}: ordinary {run['ordinary_load_ms']:.1f} ms, "
+                f"{run['model']} ({result['cuda_handles']}, {run['attach_1']['via']}): "
+                f"ordinary {run['ordinary_load_ms']:.1f} ms, "
                 f"attach {run['attach_1']['attach_ms']:.2f} / {run['attach_2']['attach_ms']:.2f}"
                 f" ms, bitwise {run['attach_1']['bitwise_equal']}, shared pointers "
                 f"{run['attaches_share_pointers']}, fallback {run['fallback']['reason']}"

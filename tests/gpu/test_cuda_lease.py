@@ -32,12 +32,16 @@ def spawn_engine(url: str, checkpoint: Path) -> subprocess.Popen[str]:
     return child
 
 
+@pytest.mark.parametrize("handles", ["fd", "ipc"])
 @pytest.mark.parametrize("scheme", ["fp8", "fp8-pc-pt"])
 def test_second_process_maps_the_daemons_cuda_arena(
-    tmp_path: Path, tiny_fp8: Path, tiny_pc: Path, scheme: str
+    tmp_path: Path, tiny_fp8: Path, tiny_pc: Path, scheme: str, handles: str
 ) -> None:
+    """Both handle kinds: the engine maps the daemon's memory itself (zero copy), with the
+    manifest's layout and bytes, and sees the daemon's later write."""
     ckpt = tiny_fp8 if scheme == "fp8" else tiny_pc
-    with InProcessDaemon(make_settings(tmp_path, [ckpt], device="cuda:0")) as served:
+    settings = make_settings(tmp_path, [ckpt], device="cuda:0", cuda_handles=handles)
+    with InProcessDaemon(settings) as served:
         rank = served.daemon.model("tiny").ranks[0]
         manifest = rank.manifest
         child = spawn_engine(served.url, ckpt)
@@ -45,6 +49,8 @@ def test_second_process_maps_the_daemons_cuda_arena(
         try:
             report = json.loads(child.stdout.readline())
             assert report["zero_copy"] and report["device"] == "cuda:0"
+            assert report["via"] == ("descriptor" if handles == "fd" else "cuda_ipc")
+            print("engine mapping read-only:", report["read_only"])  # as the driver allows
             for entry in manifest.tensors:
                 seen = report["tensors"][entry.name]
                 assert seen["dtype"] == entry.dtype.value
@@ -86,16 +92,20 @@ except VerificationError as exc:
 """
 
 
+@pytest.mark.parametrize("handles", ["fd", "ipc"])
 @pytest.mark.parametrize("engine", ["refused", "attached"])
 def test_unloading_frees_the_gpu_memory_engines_let_go(
-    tmp_path: Path, tiny_fp8: Path, tiny_pc: Path, engine: str
+    tmp_path: Path, tiny_fp8: Path, tiny_pc: Path, engine: str, handles: str
 ) -> None:
-    """Every export counts one consumer in torch's IPC reference count. An engine that attached
-    and exited, or one that refused the lease without opening it, must both hand their count
-    back, or the daemon could never free the arena after an unload."""
-    with InProcessDaemon(make_settings(tmp_path, [tiny_fp8], device="cuda:0")) as served:
+    """Legacy IPC: every export counts one consumer in torch's IPC reference count; an engine
+    that attached and exited, or one that refused the lease without opening it, must both hand
+    their count back, or the daemon could never free the arena after an unload. Descriptors:
+    the allocation is freed once the daemon, the engine and (here, none) the keeper let go."""
+    settings = make_settings(tmp_path, [tiny_fp8], device="cuda:0", cuda_handles=handles)
+    with InProcessDaemon(settings) as served:
         arena_bytes = served.daemon.model("tiny").bytes_resident
         loaded = torch.cuda.memory_allocated(0)
+        free_loaded = torch.cuda.mem_get_info(0)[0]
         if engine == "refused":
             out = subprocess.run(
                 [sys.executable, "-c", REFUSED_CHILD, served.url, str(tiny_pc)],
@@ -114,9 +124,17 @@ def test_unloading_frees_the_gpu_memory_engines_let_go(
             child.stdout.readline()
             assert child.wait(60) == 0
         assert served.daemon.leases.count() == 0
+        allocation = getattr(served.daemon.model("tiny").ranks[0].arena, "allocation_size", 0)
         served.daemon.unload("tiny")
         torch.cuda.ipc_collect()
-        assert torch.cuda.memory_allocated(0) <= loaded - arena_bytes
+        if handles == "ipc":
+            assert torch.cuda.memory_allocated(0) <= loaded - arena_bytes
+        else:  # outside torch's pool: the driver's free memory grows by the allocation
+            import gc
+
+            gc.collect()
+            assert allocation >= arena_bytes
+            assert torch.cuda.mem_get_info(0)[0] >= free_loaded + allocation // 2
 
 
 def test_verification_names_the_gpu_and_its_capability(tmp_path: Path, tiny_fp8: Path) -> None:
@@ -150,15 +168,31 @@ def test_verification_names_the_gpu_and_its_capability(tmp_path: Path, tiny_fp8:
     assert err.value.reason == "device_mismatch"
 
 
+def test_fd_arenas_live_outside_torchs_pool(tmp_path: Path, tiny_fp8: Path) -> None:
+    """A descriptor-passed arena is a cuMemCreate allocation of its own: in no segment of
+    torch's caching allocator (so emptying the cache after a load keeps it, and the daemon's
+    footprint is its arenas plus its context)."""
+    with InProcessDaemon(make_settings(tmp_path, [tiny_fp8], device="cuda:0")) as served:
+        base = served.daemon.model("tiny").ranks[0].arena.base.data_ptr()
+        segments = [
+            s
+            for s in torch.cuda.memory._snapshot()["segments"]
+            if s["address"] <= base < s["address"] + s["total_size"]
+        ]
+    assert segments == []
+
+
 def test_arenas_are_never_expandable_segments(tmp_path: Path, tiny_fp8: Path) -> None:
-    """Even with expandable segments turned on in the daemon's process, its arenas are plain
-    allocations (opening an expandable segment over IPC costs time in proportion to its size)."""
+    """With legacy IPC, even with expandable segments turned on in the daemon's process, its
+    arenas are plain allocations (opening an expandable segment over IPC costs time in
+    proportion to its size)."""
     set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     configure = set_settings or torch.cuda.memory._set_allocator_settings
     configure("expandable_segments:True")
     torch.cuda.empty_cache()  # no cached plain block the arena could reuse
     try:
-        with InProcessDaemon(make_settings(tmp_path, [tiny_fp8], device="cuda:0")) as served:
+        settings = make_settings(tmp_path, [tiny_fp8], device="cuda:0", cuda_handles="ipc")
+        with InProcessDaemon(settings) as served:
             base = served.daemon.model("tiny").ranks[0].arena.base.data_ptr()
             segments = [
                 s

@@ -204,6 +204,8 @@ def test_known_layout_skips_the_manifest(served: Served) -> None:
     body = slim.json()
     assert body["manifest"] is None and body["layout_digest"] == digest
     assert body["arenas"][0]["handle"]["kind"] == "shm"
-    assert len(slim.content) < len(first.model_dump_json()) / 20
+    # What is left is the lease and the handle (a file path, the handle socket's path and the
+    # lease's secret: a few hundred bytes, with this test's long temporary paths).
+    assert len(slim.content) < len(first.model_dump_json()) / 15
     stale = served.client.post("/v1/leases", json=served.lease_body(known_layout="0" * 32))
     assert stale.json()["manifest"]["layout_digest"] == digest  # a full manifest again

@@ -1,0 +1,59 @@
+"""Who may have a lease's descriptors: the one decision the handle socket asks.
+
+A peer gets them only with the lease's secret (handed out with the grant), as a user the daemon
+trusts (its own, or root), and, when the kernel shows its process to the daemon, as the process
+the lease was granted to. The peer's credentials come from the kernel (``SO_PEERCRED``), not
+from the peer: its pid is 0 when it lives in a PID namespace the daemon cannot see (another
+container), and then the secret and the uid decide alone. An engine in a PID namespace nested in
+the daemon's names itself by its own pid in the lease, which ``/proc/<pid>/status`` (``NSpid``)
+relates to the pid the daemon sees.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from service.registry.leases import Lease
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A connected process, as the kernel reported it."""
+
+    pid: int  # 0: in a PID namespace this daemon cannot see
+    uid: int
+    gid: int
+
+
+def trusted_uids() -> frozenset[int]:
+    """Users whose processes may hold descriptors: the daemon's own, and root."""
+    return frozenset({os.geteuid(), 0})
+
+
+def pids_of(pid: int) -> set[int]:
+    """``pid`` and the pids the same process has in nested PID namespaces (``NSpid``), as far
+    as ``/proc`` shows them."""
+    pids = {pid}
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return pids
+    for line in status.splitlines():
+        if line.startswith("NSpid:"):
+            pids.update(int(p) for p in line.split()[1:] if p.isdigit())
+    return pids
+
+
+def holder_refusal(lease: Lease, secret: str, peer: Peer, uids: frozenset[int]) -> str | None:
+    """Why ``peer``, presenting ``secret``, may not have ``lease``'s descriptors; None if it may.
+    (The lease's holder fields are compared here and nowhere else.)"""
+    if not hmac.compare_digest(lease.secret.encode(), secret.encode()):
+        return "the secret is not this lease's"
+    if peer.uid not in uids:
+        return f"uid {peer.uid} is neither the daemon's user nor root"
+    if peer.pid != 0 and lease.client_pid not in pids_of(peer.pid):
+        return f"process {peer.pid} is not the lease's holder (pid {lease.client_pid})"
+    return None
