@@ -87,6 +87,11 @@ class Load:
     def leased(self) -> Attachment:
         return _made(self.attachment, "attachment")
 
+    def release(self) -> None:
+        """Give the lease back, if this load holds one (a load that failed after attaching)."""
+        if self.attachment is not None:
+            self.attachment.close()
+
 
 def find_model(load: Load) -> None:
     if get_pp_group().world_size != 1:

@@ -19,11 +19,9 @@ default 10), ``wait`` (seconds to wait for a daemon still loading the model, def
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -150,24 +148,13 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
             target_device(vllm_config),
             self.create_model,
         )
-        with (
-            forget_build_on_error(vllm_config),
-            set_default_torch_dtype(model_config.dtype),
-            _released_on_error(load),
-        ):
-            times = run_steps(LOAD_STEPS, load)
+        with forget_build_on_error(vllm_config), set_default_torch_dtype(model_config.dtype):
+            try:
+                times = run_steps(LOAD_STEPS, load)
+            except BaseException:
+                load.release()  # before the fallback loads
+                raise
         log.info("weight-cache: steps inside vLLM: %s", times)
         self.attachment = load.leased
         evaluated: nn.Module = load.built.eval()
         return evaluated
-
-
-@contextlib.contextmanager
-def _released_on_error(load: Load) -> Iterator[None]:
-    """A load that fails after attaching gives its lease back before the fallback loads."""
-    try:
-        yield
-    except BaseException:
-        if load.attachment is not None:
-            load.attachment.close()
-        raise
