@@ -19,6 +19,7 @@ reason an unexpected failure in it is reported under.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -72,12 +73,16 @@ class Load:
     options: LoaderOptions
     device: torch.device
     create_model: Callable[[Any, Any, str], nn.Module]  # the loader's (BaseModelLoader's)
-    client_config: ClientConfig | None = None
     expect: Expectations | None = None
     model_id: str | None = None
     model: nn.Module | None = None
     attachment: Attachment | None = None
     checkpoint_scales: list[str] = field(default_factory=list)
+
+    @functools.cached_property
+    def client_config(self) -> ClientConfig:
+        """How to reach the daemon, from the options (made on first use, by any step)."""
+        return self.options.client_config()
 
     @property
     def built(self) -> nn.Module:
@@ -107,7 +112,6 @@ def find_model(load: Load) -> None:
         tp_size=get_tensor_model_parallel_world_size(),
         verify_checksums=load.options.verify_checksums,
     )
-    load.client_config = load.options.client_config()
     chosen = daemon_model(
         load.client_config, load.options.model, load.model_config, lambda: identity.fingerprint
     )
@@ -127,7 +131,7 @@ def attach(load: Load) -> None:
     load.attachment = attach_waiting(
         _made(load.model_id, "model id"),
         _made(load.expect, "expectations"),
-        _made(load.client_config, "client config"),
+        load.client_config,
         load.options.wait,
     )
 

@@ -51,12 +51,12 @@ def meta_tensors(model: nn.Module) -> list[str]:
     left: list[str] = []
     for module_name, module in model.named_modules(remove_duplicate=False):
         prefix = f"{module_name}." if module_name else ""
-        tensors = [
-            *module.named_parameters(recurse=False, remove_duplicate=False),
-            *module.named_buffers(recurse=False, remove_duplicate=False),
-            *vars(module).items(),
-        ]
-        left.extend(prefix + name for name, value in tensors if _is_meta(value))
+        for key, value in vars(module).items():
+            if key in ("_parameters", "_buffers"):
+                found = [k for k, v in value.items() if _is_meta(v)]
+            else:
+                found = [key] if _is_meta(value) else []
+            left.extend(prefix + k for k in found)
     return left
 
 
