@@ -8,7 +8,7 @@ import ast
 import contextlib
 import gc
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -235,38 +235,34 @@ def test_vocab_shard_is_how_vllm_pads_the_vocabulary(tmp_path: Path) -> None:
     assert vocab_shard(modules["model.norm"]) is None
 
 
-def _meta_and_cpu(path: Path, **kw: Any) -> tuple[nn.Module, nn.Module]:
-    with vllm_for(path, **kw) as (vllm_config, model_config):
-        return (
-            fresh_build(vllm_config, model_config, "meta"),
-            fresh_build(vllm_config, model_config, "cpu"),
-        )
-
-
-@contextlib.contextmanager
-def rebuilding_on_cpu() -> Iterator[None]:
-    """Where the loader rebuilds runtime state: on the target device, in the model's dtype."""
+def rebuilt_like_cpu(
+    needs: Callable[[nn.Module], bool], rebuild: Callable[[Any], None], **kw: Any
+) -> list[nn.Module]:
+    """Build the model on meta and on the CPU; rebuild on the CPU, in the model's dtype (as the
+    loader does on its target device), every meta module ``needs`` names, and check each then
+    equals the CPU build's module. Returns the rebuilt modules."""
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
-        yield
+    with vllm_for(LLAMA, **kw) as (vllm_config, model_config):
+        meta = fresh_build(vllm_config, model_config, "meta")
+        cpu_modules = dict(fresh_build(vllm_config, model_config, "cpu").named_modules())
+    rebuilt = []
+    for name, module in meta.named_modules():
+        if not needs(module):
+            continue
+        with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
+            rebuild(module)
+        assert not needs(module), name
+        assert model_state(module).differences(model_state(cpu_modules[name])) == []
+        rebuilt.append(module)
+    assert rebuilt, "nothing to rebuild"
+    return rebuilt
 
 
 def test_rotary_cache_is_rebuilt_as_vllm_builds_it() -> None:
     from engine_client.vllm.internals import has_meta_rotary_cache, rebuild_rotary_cache
 
-    meta, cpu = _meta_and_cpu(LLAMA)
-    cpu_modules = dict(cpu.named_modules())
-    rebuilt = 0
-    for name, module in meta.named_modules():
-        if not has_meta_rotary_cache(module):
-            continue
-        with rebuilding_on_cpu():
-            rebuild_rotary_cache(module)
-        assert not has_meta_rotary_cache(module)
-        assert model_state(module).differences(model_state(cpu_modules[name])) == []
-        rebuilt += 1
-    assert rebuilt
+    rebuilt_like_cpu(has_meta_rotary_cache, rebuild_rotary_cache)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
@@ -279,19 +275,11 @@ def test_attention_state_is_rebuilt_as_vllm_builds_it(kv_cache_dtype: str) -> No
         rebuild_attention_state,
     )
 
-    meta, cpu = _meta_and_cpu(LLAMA, kv_cache_dtype=kv_cache_dtype)
-    cpu_modules = dict(cpu.named_modules())
-    rebuilt = 0
-    for name, module in meta.named_modules():
-        if not has_meta_attention_scales(module):
-            continue
-        with rebuilding_on_cpu():
-            rebuild_attention_state(module)
-        assert not has_meta_attention_scales(module)
+    rebuilt = rebuilt_like_cpu(
+        has_meta_attention_scales, rebuild_attention_state, kv_cache_dtype=kv_cache_dtype
+    )
+    for module in rebuilt:
         assert set(KV_SCALE_PARAMETERS) <= set(dict(module.named_parameters()))
-        assert model_state(module).differences(model_state(cpu_modules[name])) == []
-        rebuilt += 1
-    assert rebuilt
 
 
 def test_kv_cache_method_creates_the_scale_parameters_named() -> None:
