@@ -20,7 +20,7 @@ import torch
 
 from engine_client.attach import Attachment, attach_waiting
 from engine_client.client import ClientConfig
-from engine_client.fallback import as_weight_cache_error, record_fallback
+from engine_client.fallback import fall_back_or_raise
 from engine_client.verify import Expectations
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.processing import plan_model, process_checkpoint
@@ -66,12 +66,9 @@ def attach_or_read(
     try:
         attachment = attach_waiting(model, expect, config, wait_s)
     except Exception as exc:
-        error = as_weight_cache_error(exc)
-        if not fallback:
-            if error is exc:
-                raise
-            raise error from exc
-        reason = record_fallback(error, f"loading {checkpoint} from disk instead of attaching")
+        reason = fall_back_or_raise(
+            exc, fallback, f"loading {checkpoint} from disk instead of attaching"
+        )
         tensors, layers = read_checkpoint(checkpoint, expect.device, expect.tp_rank, expect.tp_size)
         return EngineWeights(tensors, layers, "disk", reason, time.perf_counter() - start)
     return EngineWeights(

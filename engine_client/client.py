@@ -11,30 +11,27 @@ grant that reached the daemon but whose answer was lost would leak a lease.
 from __future__ import annotations
 
 import asyncio
-import collections
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import httpx
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel
 
-from protocol.errors import (
-    BadResponseError,
-    DaemonUnavailableError,
-    VerificationError,
-    WeightCacheError,
-    error_from_problem,
+from engine_client.answers import (
+    TRANSPORT_ERRORS,
+    parse_answer,
+    parse_answers,
+    raise_for_problem,
 )
-from protocol.reasons import Reason
+from engine_client.layout_cache import LAYOUTS, LayoutKey
+from protocol.errors import DaemonUnavailableError, WeightCacheError
 from protocol.schemas.health import Health, Readiness
 from protocol.schemas.inventory import Inventory
 from protocol.schemas.layout import Kernel, WeightFormat
 from protocol.schemas.leases import LeaseGrant, LeaseInfo, LeaseRequest
-from protocol.schemas.manifest import Manifest
 from protocol.schemas.models import ModelInfo
 from protocol.tokens import resolve_token
 from protocol.version import DEFAULT_PORT
@@ -96,89 +93,11 @@ class ClientConfig:
         return self.uds is None and self.url.startswith("https://")
 
 
-def _raise_for_problem(response: httpx.Response) -> None:
-    if response.status_code < 400:
-        return
-    try:
-        body = response.json()
-    except ValueError:
-        body = {}
-    if not isinstance(body, dict):
-        body = {}
-    raise error_from_problem(body or {"detail": response.text[:500]}, response.status_code)
-
-
-def _parse(model: type[T], content: bytes) -> T:
-    """The daemon's answer as ``model``; anything else is the daemon (or whatever answered in
-    its place) not speaking the API, raised typed."""
-    try:
-        return model.model_validate_json(content)
-    except ValidationError as exc:
-        raise BadResponseError(
-            f"the answer is not a valid {model.__name__}: {exc.errors()[0]['msg']}",
-            reason=Reason.bad_response,
-        ) from exc
-
-
-def _parse_list(model: type[T], content: bytes) -> list[T]:
-    try:
-        return TypeAdapter(list[model]).validate_json(content)  # type: ignore[valid-type]
-    except ValidationError as exc:
-        raise BadResponseError(
-            f"the answer is not a list of {model.__name__}: {exc.errors()[0]['msg']}",
-            reason=Reason.bad_response,
-        ) from exc
-
-
-# Errors of the transport (httpx.InvalidURL is not an HTTPError).
-_TRANSPORT_ERRORS = (httpx.HTTPError, httpx.InvalidURL)
-
-
 def _unavailable(config: ClientConfig, exc: Exception) -> DaemonUnavailableError:
     where = config.uds or config.url
     return DaemonUnavailableError(f"cannot reach the daemon at {where}: {exc}", url=where)
 
 
-LayoutKey = tuple[str, str, int, int]  # (daemon address, model, tp_rank, tp_size)
-
-
-class LayoutCache:
-    """Manifests this process has received, by model and rank. A client names the layout it
-    holds (its digest) as ``known_layout``; the daemon then returns only the lease and fresh
-    handles, and the grant is completed with the manifest the request named, which the request
-    keeps hold of, so an eviction meanwhile cannot lose it. A daemon that processed the model
-    again has a new digest (the processing daemon's boot id is part of the layout), so nothing
-    stale is ever reused; one that took the arena over from its keeper keeps the digest, as the
-    layout and the memory are the same."""
-
-    def __init__(self, size: int = 64) -> None:
-        self.size = size
-        self._manifests: collections.OrderedDict[LayoutKey, Manifest] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def known(self, key: LayoutKey) -> Manifest | None:
-        with self._lock:
-            return self._manifests.get(key)
-
-    def complete(self, key: LayoutKey, grant: LeaseGrant, named: Manifest | None) -> LeaseGrant:
-        """The grant with its manifest: the one it carries (remembered for next time), else the
-        one the request named as known."""
-        if grant.manifest is None:
-            if named is None or named.layout_digest != grant.layout_digest:
-                raise VerificationError(
-                    "the daemon left out a layout this client did not name",
-                    reason=Reason.manifest_invalid,
-                )
-            return grant.model_copy(update={"manifest": named})
-        with self._lock:
-            self._manifests[key] = grant.manifest
-            self._manifests.move_to_end(key)
-            while len(self._manifests) > self.size:
-                self._manifests.popitem(last=False)
-        return grant
-
-
-LAYOUTS = LayoutCache()
 # Keep every concurrent request's connection alive (httpx keeps 20 by default).
 _LIMITS = httpx.Limits(max_connections=256, max_keepalive_connections=256)
 
@@ -211,7 +130,7 @@ class _LeaseCall:
         ).model_dump(mode="json", exclude_none=True)
 
     def grant(self, response: httpx.Response) -> LeaseGrant:
-        grant = _parse(LeaseGrant, response.content)
+        grant = parse_answer(LeaseGrant, response.content)
         return LAYOUTS.complete(self.key, grant, self.named)
 
 
@@ -265,32 +184,32 @@ class _BaseClient:
     @staticmethod
     def _answer(call: _Call[R], response: httpx.Response) -> R:
         if response.status_code not in call.answers:
-            _raise_for_problem(response)
+            raise_for_problem(response)
         return call.read(response)
 
     # --- the API's calls --------------------------------------------------------------------
 
     @staticmethod
     def _health() -> _Call[Health]:
-        return _Call("GET", "/health", lambda r: _parse(Health, r.content))
+        return _Call("GET", "/health", lambda r: parse_answer(Health, r.content))
 
     @staticmethod
     def _ready() -> _Call[Readiness]:
         # A 503 (still loading, or failed) is a normal answer; asked once, never retried.
-        read = lambda r: _parse(Readiness, r.content)  # noqa: E731
+        read = lambda r: parse_answer(Readiness, r.content)  # noqa: E731
         return _Call("GET", "/ready", read, idempotent=False, answers=(503,))
 
     @staticmethod
     def _inventory() -> _Call[Inventory]:
-        return _Call("GET", "/v1/inventory", lambda r: _parse(Inventory, r.content))
+        return _Call("GET", "/v1/inventory", lambda r: parse_answer(Inventory, r.content))
 
     @staticmethod
     def _models() -> _Call[list[ModelInfo]]:
-        return _Call("GET", "/v1/models", lambda r: _parse_list(ModelInfo, r.content))
+        return _Call("GET", "/v1/models", lambda r: parse_answers(ModelInfo, r.content))
 
     @staticmethod
     def _model(model_id: str) -> _Call[ModelInfo]:
-        return _Call("GET", f"/v1/models/{model_id}", lambda r: _parse(ModelInfo, r.content))
+        return _Call("GET", f"/v1/models/{model_id}", lambda r: parse_answer(ModelInfo, r.content))
 
     def _lease(
         self,
@@ -306,12 +225,12 @@ class _BaseClient:
 
     @staticmethod
     def _leases() -> _Call[list[LeaseInfo]]:
-        return _Call("GET", "/v1/leases", lambda r: _parse_list(LeaseInfo, r.content))
+        return _Call("GET", "/v1/leases", lambda r: parse_answers(LeaseInfo, r.content))
 
     @staticmethod
     def _renew(lease_id: str, ttl_s: float | None) -> _Call[LeaseInfo]:
         body = {"ttl_s": ttl_s} if ttl_s is not None else None
-        read = lambda r: _parse(LeaseInfo, r.content)  # noqa: E731
+        read = lambda r: parse_answer(LeaseInfo, r.content)  # noqa: E731
         return _Call("POST", f"/v1/leases/{lease_id}/renew", read, json=body)
 
     @staticmethod
@@ -340,7 +259,7 @@ class DaemonClient(_BaseClient):
         for attempt in self._attempts(call):
             try:
                 response = self._http.request(call.method, call.path, json=call.json)
-            except _TRANSPORT_ERRORS as exc:
+            except TRANSPORT_ERRORS as exc:
                 time.sleep(self._backoff(call, attempt, exc))
                 continue
             return self._answer(call, response)
@@ -411,7 +330,7 @@ class AsyncDaemonClient(_BaseClient):
         for attempt in self._attempts(call):
             try:
                 response = await self._http.request(call.method, call.path, json=call.json)
-            except _TRANSPORT_ERRORS as exc:
+            except TRANSPORT_ERRORS as exc:
                 await asyncio.sleep(self._backoff(call, attempt, exc))
                 continue
             return self._answer(call, response)
@@ -459,9 +378,7 @@ class AsyncDaemonClient(_BaseClient):
         return await self._send(call)
 
 
-# What other engine-side modules build their calls with.
+# What other engine-side modules (parking, start-up slots) build their calls with.
 ApiCall = _Call
-parse_answer = _parse
-parse_answers = _parse_list
 
 __all__ = ["AsyncDaemonClient", "ClientConfig", "DaemonClient", "WeightCacheError"]

@@ -1,6 +1,7 @@
 """Fallback is total: every failure between asking for a lease and a bound model becomes one
 typed :class:`~protocol.errors.WeightCacheError` with one :class:`~protocol.reasons.Reason`,
-which is logged once, counted, and then either falls back or is raised.
+which is logged once, counted, and then either falls back or is raised
+(:func:`fall_back_or_raise`, the one place that decides).
 
 Foreign exceptions are mapped where they arise (the HTTP client, opening the arena, rebuilding
 views); :func:`as_weight_cache_error` is the catch-all for whatever still escapes (vLLM binding,
@@ -90,6 +91,19 @@ def record_fallback(error: WeightCacheError, action: str) -> Reason:
     reason = reason_of(error)
     FALLBACKS[reason] += 1
     if _PROM is not None:
-        _PROM.labels(reason=reason.value).inc()
-    log.warning("weight-cache: %s (%s): %s", action, reason.value, error.detail)
+        _PROM.labels(reason=reason).inc()
+    log.warning("weight-cache: %s (%s): %s", action, reason, error.detail)
     return reason
+
+
+def fall_back_or_raise(exc: Exception, fallback: bool, action: str) -> Reason:
+    """The one decision when attaching failed with ``exc``: with ``fallback`` off, raise it as
+    a typed error (untyped ones as :func:`as_weight_cache_error`'s, from ``exc``); with it on,
+    log, count and return the reason (:func:`record_fallback`), and the caller does ``action``.
+    Call it from the ``except`` block that caught ``exc``."""
+    error = as_weight_cache_error(exc)
+    if fallback:
+        return record_fallback(error, action)
+    if error is exc:
+        raise exc
+    raise error from exc

@@ -24,7 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine_client.client import ApiCall, ClientConfig, DaemonClient, parse_answer
+from engine_client.answers import parse_answer
+from engine_client.client import ApiCall, ClientConfig, DaemonClient
 from protocol.errors import (
     DaemonRestartedError,
     DaemonUnavailableError,

@@ -18,7 +18,8 @@ import os
 import threading
 import time
 
-from engine_client.client import ApiCall, ClientConfig, DaemonClient, parse_answer
+from engine_client.answers import parse_answer
+from engine_client.client import ApiCall, ClientConfig, DaemonClient
 from protocol.errors import DaemonUnavailableError, WeightCacheError
 from protocol.schemas.parking import MAX_WAIT_S
 from protocol.schemas.startup_slots import SlotRequest, SlotState, SlotTicket

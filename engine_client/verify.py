@@ -24,7 +24,7 @@ from protocol.schemas.leases import LeaseGrant
 from protocol.schemas.manifest import CudaFdHandle, CudaIpcHandle, DeviceKind, Manifest
 from protocol.version import PROTOCOL_VERSION
 
-__all__ = ["Expectations", "Reason", "verify_checksums", "verify_grant"]
+__all__ = ["CheckpointIdentity", "Expectations", "Reason", "verify_checksums", "verify_grant"]
 
 
 @dataclass(frozen=True)
@@ -52,14 +52,35 @@ class Expectations:
         tier: IdentityTier = DEFAULT_TIER,
         **kw: Any,
     ) -> Expectations:
-        """What an engine loading ``path`` expects: its quantization config and its identity at
-        ``tier`` (``full`` reads every byte; the others cost milliseconds at most)."""
+        """What an engine loading ``path`` expects, its identity read now."""
+        return cls.for_identity(CheckpointIdentity.read(path, tier), device, **kw)
+
+    @classmethod
+    def for_identity(
+        cls, identity: CheckpointIdentity, device: torch.device, **kw: Any
+    ) -> Expectations:
+        """What an engine expects of a lease for the checkpoint ``identity`` describes."""
+        return cls(device, fingerprint=identity.fingerprint, quant=identity.quant, **kw)
+
+
+@dataclass(frozen=True)
+class CheckpointIdentity:
+    """The engine's own copy of a checkpoint as a lease is checked against it: its identity at
+    the tier the engine chose, and its quantization config."""
+
+    fingerprint: Fingerprint
+    quant: QuantConfig
+
+    @classmethod
+    def read(cls, path: Path, tier: IdentityTier = DEFAULT_TIER) -> CheckpointIdentity:
+        """Read from the copy's files (``full`` reads every byte; the others cost milliseconds
+        at most)."""
         with Checkpoint.open(path) as ckpt:
             if tier is IdentityTier.sampled:
                 fingerprint = Fingerprint(tier, ckpt.fingerprint)
             else:
                 fingerprint = checkpoint_fingerprint(path, tier)
-            return cls(device, fingerprint=fingerprint, quant=ckpt.quant, **kw)
+            return cls(fingerprint, ckpt.quant)
 
 
 def _fail(reason: Reason, detail: str, **extra: object) -> VerificationError:

@@ -14,6 +14,6 @@ log = logging.getLogger(__name__)
 
 def register() -> None:
     try:
-        import engine_client.vllm_loader  # noqa: F401  (registers the load format on import)
+        import engine_client.vllm.loader  # noqa: F401  (registers the load format on import)
     except ImportError as exc:
         log.warning("weight-cache: vLLM loader not registered: %s", exc)

@@ -32,14 +32,16 @@ def _with_client(
 
 
 def parked_engines(client: DaemonClient, method: str, path: str) -> list[ParkedEngine]:
-    from engine_client.client import ApiCall, parse_answers
+    from engine_client.answers import parse_answers
+    from engine_client.client import ApiCall
     from protocol.schemas.parking import ParkedEngine
 
     return client.send(ApiCall(method, path, lambda r: parse_answers(ParkedEngine, r.content)))
 
 
 def slot_tickets(client: DaemonClient) -> list[SlotTicket]:
-    from engine_client.client import ApiCall, parse_answers
+    from engine_client.answers import parse_answers
+    from engine_client.client import ApiCall
     from protocol.schemas.startup_slots import SlotTicket
 
     read = lambda r: parse_answers(SlotTicket, r.content)  # noqa: E731

@@ -154,7 +154,7 @@ async def test_async_reads_are_retried_and_grants_are_not() -> None:
 
 
 def test_layouts_are_fetched_once_per_process(daemon_process, monkeypatch) -> None:
-    from engine_client.client import LAYOUTS
+    from engine_client.layout_cache import LAYOUTS
 
     slim: list[bool] = []
     real_complete = LAYOUTS.complete
@@ -181,7 +181,7 @@ def test_layouts_are_fetched_once_per_process(daemon_process, monkeypatch) -> No
 def test_a_layout_evicted_mid_lease_still_completes_the_grant(daemon_process, monkeypatch) -> None:
     """The client named a layout, and its cache dropped it before the answer came: the request
     kept the manifest it named, so the grant is complete and one lease is held, not two."""
-    from engine_client.client import LAYOUTS
+    from engine_client.layout_cache import LAYOUTS
 
     config = ClientConfig(url=daemon_process.url)
     with DaemonClient(config) as client:
@@ -203,7 +203,7 @@ def test_a_layout_evicted_mid_lease_still_completes_the_grant(daemon_process, mo
 def test_a_grant_without_the_named_layout_is_refused(daemon_process) -> None:
     """A daemon that leaves out a layout the request did not name breaks the protocol: the
     grant is refused rather than completed with the wrong manifest."""
-    from engine_client.client import LAYOUTS, LayoutCache
+    from engine_client.layout_cache import LAYOUTS, LayoutCache
 
     config = ClientConfig(url=daemon_process.url, cache_layouts=False)
     with DaemonClient(config) as client:

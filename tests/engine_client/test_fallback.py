@@ -19,7 +19,13 @@ from prometheus_client import REGISTRY
 from engine_client.arenas import open_arena
 from engine_client.checkpoint_read import attach_or_read
 from engine_client.client import ClientConfig
-from engine_client.fallback import FALLBACKS, as_weight_cache_error, reason_of, typed_failures
+from engine_client.fallback import (
+    FALLBACKS,
+    as_weight_cache_error,
+    fall_back_or_raise,
+    reason_of,
+    typed_failures,
+)
 from engine_client.verify import Expectations
 from protocol.errors import (
     ArenaUnavailableError,
@@ -43,6 +49,7 @@ from protocol.errors import (
 )
 from protocol.reasons import Reason
 from protocol.schemas.manifest import ArenaDescriptor, ShmHandle
+from protocol.schemas.problem import Problem
 from tests.daemon_process import DaemonProcess, lease_body
 
 CPU = torch.device("cpu")
@@ -274,3 +281,42 @@ def test_a_refused_ipc_handle_is_typed() -> None:
     with pytest.raises(IpcOpenError) as err:
         open_arena(ArenaDescriptor(index=0, nbytes=1 << 20, handle=handle), "b00t.1")
     assert err.value.reason is Reason.ipc_open_failed
+
+
+def test_fall_back_or_raise_with_fallback_counts_and_returns_the_reason(caplog) -> None:
+    before = FALLBACKS[Reason.model_loading]
+    try:
+        raise ModelLoadingError("still loading")
+    except ModelLoadingError as exc:
+        with caplog.at_level(logging.WARNING, logger="engine_client"):
+            reason = fall_back_or_raise(exc, True, "reading from disk")
+    assert reason is Reason.model_loading and FALLBACKS[Reason.model_loading] == before + 1
+    assert "reading from disk (model_loading): still loading" in caplog.text
+
+
+def test_fall_back_or_raise_without_fallback_raises_typed() -> None:
+    typed = VerificationError("no", reason=Reason.kernel_mismatch)
+    with pytest.raises(VerificationError) as err:
+        try:
+            raise typed
+        except VerificationError as exc:
+            fall_back_or_raise(exc, False, "unused")
+    assert err.value is typed
+    with pytest.raises(AttachError) as attach_err:
+        try:
+            raise KeyError("layers.0")
+        except KeyError as exc:
+            fall_back_or_raise(exc, False, "unused")
+    assert attach_err.value.reason is Reason.internal_error
+    assert isinstance(attach_err.value.__cause__, KeyError)
+
+
+def test_a_reason_member_serialises_as_its_value() -> None:
+    """Errors carry ``Reason`` members; on the wire, in logs and as labels they read as the
+    values they always were."""
+    member = VerificationError("x", reason=Reason.layout_mismatch).problem_fields()
+    value = VerificationError("x", reason="layout_mismatch").problem_fields()
+    assert json.dumps(member) == json.dumps(value)
+    problem = Problem.model_validate(member)
+    assert problem.model_dump_json() == Problem.model_validate(value).model_dump_json()
+    assert f"{Reason.layout_mismatch}" == "layout_mismatch"

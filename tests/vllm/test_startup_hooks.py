@@ -1,4 +1,4 @@
-"""What ``engine_client.vllm_startup`` relies on in vLLM 0.33's worker, engine core and front
+"""What ``engine_client.vllm.startup`` relies on in vLLM 0.33's worker, engine core and front
 end. Each test fails on the vLLM version where its fact stops holding."""
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_the_workers_wait_for_each_other_without_a_time_limit() -> None:
 def test_after_warm_up_wraps_the_workers_method_once_and_runs_even_on_failure() -> None:
     from vllm.v1.worker.gpu_worker import Worker
 
-    from engine_client.vllm_startup import after_warm_up
+    from engine_client.vllm.internals import after_warm_up
 
     original = Worker.compile_or_warm_up_model
     calls: list[int] = []

@@ -1,5 +1,6 @@
-"""What an engine does at vLLM 0.33's start-up before its weights load, and every reach into
-vLLM's worker that needs (``tests/vllm/test_startup_hooks.py`` fails where these stop holding):
+"""What an engine does at vLLM 0.33's start-up before its weights load: park until released,
+then take its GPU's start-up slot. Where in vLLM's worker this happens, and why
+(``tests/vllm/test_startup_hooks.py`` fails where these stop holding):
 
 - ``Worker.init_device`` creates the CUDA context (and, at TP > 1, NCCL's buffers), then asks the
   loader for its external weight memory (``get_external_weight_memory``), then takes the memory
@@ -19,12 +20,10 @@ vLLM's worker that needs (``tests/vllm/test_startup_hooks.py`` fails where these
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import secrets
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -32,14 +31,13 @@ from engine_client.client import ClientConfig
 from engine_client.loader_options import LoaderOptions
 from engine_client.parking import ParkingSpot, park_ahead
 from engine_client.startup_slot import take_startup_slot
+from engine_client.vllm.internals import after_warm_up
 from protocol.devices import cuda_uuid, host_id
 from protocol.errors import WeightCacheError
 
 log = logging.getLogger(__name__)
 
 _group: list[str] = []  # this engine's group id, once agreed on
-_after_warm_up: list[Callable[[], None]] = []
-_WRAPPED = "_weight_cache_wraps"
 
 
 def engine_group() -> str:
@@ -61,32 +59,6 @@ def this_device() -> str:
     if torch.cuda.is_available():
         return cuda_uuid(torch.cuda.current_device())
     return host_id()
-
-
-def after_warm_up(callback: Callable[[], None]) -> None:
-    """Call ``callback`` once this process's vLLM worker has finished (or failed) its
-    ``compile_or_warm_up_model``: after its KV cache is allocated and its graphs captured."""
-    from vllm.v1.worker.gpu_worker import Worker
-
-    _after_warm_up.append(callback)
-    current = Worker.compile_or_warm_up_model
-    if getattr(current, _WRAPPED, None) is not None:
-        return
-
-    @functools.wraps(current)
-    def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return current(self, *args, **kwargs)
-        finally:
-            while _after_warm_up:
-                done = _after_warm_up.pop(0)
-                try:
-                    done()
-                except Exception:
-                    log.exception("weight-cache: after vLLM's warm-up")
-
-    setattr(compile_or_warm_up_model, _WRAPPED, current)
-    Worker.compile_or_warm_up_model = compile_or_warm_up_model
 
 
 def before_memory_snapshot(

@@ -1,0 +1,121 @@
+"""What an engine start learns before it attaches: the checkpoint's identity, read once, and the
+daemon's model for it.
+
+vLLM's worker calls the loader twice per engine start, each time on a loader it builds afresh
+(``get_model_loader`` makes one per call): ``get_external_weight_memory`` in the worker's
+``init_device``, before the model runner opens its load window, then ``load_model`` inside it.
+Both pass the same ``VllmConfig`` object, so the identity is kept for that object: the second
+call reuses what the first read. A new engine start (a new config) reads it again.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed import get_tensor_model_parallel_world_size
+
+from engine_client.client import ClientConfig, DaemonClient
+from engine_client.verify import CheckpointIdentity
+from modelopt_fp8.checkpoint import Fingerprint, IdentityTier
+from protocol.errors import ModelNotFoundError, VerificationError
+from protocol.reasons import Reason
+from protocol.schemas.models import ModelInfo, ModelState
+
+__all__ = [
+    "checkpoint_identity",
+    "daemon_model",
+    "local_checkpoint",
+    "rank_bytes",
+    "target_device",
+]
+
+
+def local_checkpoint(model_config: Any) -> Path:
+    """The checkpoint directory vLLM loads (the loader serves local directories only)."""
+    checkpoint = Path(model_config.model)
+    if not checkpoint.is_dir():
+        raise VerificationError(
+            f"{checkpoint} is not a local checkpoint directory",
+            reason=Reason.not_local_checkpoint,
+        )
+    return checkpoint
+
+
+class _ThisObject:
+    """A cache key that matches one object only (by identity), and keeps it alive while
+    cached so its id is not reused."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ThisObject) and other.obj is self.obj
+
+
+@functools.lru_cache(maxsize=1)
+def _read_identity(
+    engine_start: _ThisObject, checkpoint: Path, tier: IdentityTier
+) -> CheckpointIdentity:
+    return CheckpointIdentity.read(checkpoint, tier)
+
+
+def checkpoint_identity(
+    vllm_config: Any, model_config: Any, tier: IdentityTier
+) -> CheckpointIdentity:
+    """The identity of the checkpoint this engine start loads, read from its files once per
+    engine start (``vllm_config``); a failed read is not kept, so the load reads again and
+    reports it."""
+    return _read_identity(_ThisObject(vllm_config), local_checkpoint(model_config), tier)
+
+
+def daemon_model(
+    config: ClientConfig,
+    named: str | None,
+    model_config: Any,
+    fingerprint: Callable[[], Fingerprint],
+) -> ModelInfo:
+    """The daemon's model for this engine: the one ``named`` (the ``model`` option), else the
+    ready (or loading) one whose digests match ``fingerprint()`` at this TP size."""
+    tp_size = get_tensor_model_parallel_world_size()
+    with DaemonClient(config) as client:
+        models = client.models()
+    if named:
+        chosen = [m for m in models if m.id == named]
+    else:
+        mine = fingerprint()
+        chosen = [
+            m
+            for m in models
+            if mine.matches(m.digests)
+            and m.state in (ModelState.ready, ModelState.loading)
+            and m.tp_size == tp_size
+        ]
+    if not chosen:
+        raise ModelNotFoundError(
+            f"the daemon holds no model for {model_config.model} at tp_size {tp_size}"
+        )
+    return chosen[0]
+
+
+def rank_bytes(model: ModelInfo) -> int:
+    """The bytes the daemon holds for one TP rank of ``model``."""
+    return model.bytes_resident // max(1, model.tp_size)
+
+
+def target_device(vllm_config: Any) -> torch.device:
+    """The device vLLM loads onto (its load config's, else its device config's), with the
+    current CUDA device made explicit."""
+    load_device = vllm_config.load_config.device or vllm_config.device_config.device
+    device = torch.device(load_device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -1,0 +1,192 @@
+"""vLLM 0.33 model loader for ``--load-format weight_cache``: attach to weights the weight-cache
+daemon processed and holds, else fall back to vLLM's default loader and say why.
+
+vLLM's worker drives a loader in this order, once per engine start, each call on a loader it
+builds afresh: ``get_external_weight_memory`` in ``init_device`` (the loader's last call before
+the model runner opens its load window), then ``load_model`` inside that window
+(``DeviceMemoryProfiler``). The first runs the loader's before-window hook
+(:func:`before_load_window`), then answers; the second runs :data:`LOAD_STEPS
+<engine_client.vllm.load_steps.LOAD_STEPS>` and, if any fails, either falls back or raises
+(``fallback``), decided once in :func:`engine_client.fallback.fall_back_or_raise`.
+
+Options (``--model-loader-extra-config``, :class:`~engine_client.loader_options.LoaderOptions`):
+``url``, ``uds``, ``token``, ``token_file``, ``model`` (the daemon's model id; default: the ready
+model whose fingerprint matches), ``fallback`` (default true), ``identity`` (how the checkpoints
+must match: ``files``, ``sampled`` (default), ``hf_blob`` or ``full``), ``timeout`` (seconds,
+default 10), ``wait`` (seconds to wait for a daemon still loading the model, default 0),
+``verify_checksums`` (default false), ``handle_socket`` (the daemon's handle socket where this
+engine sees it), ``park`` (wait before the load until the daemon releases this engine),
+``park_timeout``, ``startup_slot_timeout`` (:mod:`engine_client.vllm.startup`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.model_executor.model_loader import register_model_loader
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+from vllm.utils.torch_utils import set_default_torch_dtype
+
+from engine_client.attach import Attachment
+from engine_client.fallback import fall_back_or_raise
+from engine_client.loader_options import LoaderOptions
+from engine_client.vllm.engine_start import (
+    checkpoint_identity,
+    daemon_model,
+    rank_bytes,
+    target_device,
+)
+from engine_client.vllm.internals import forget_build_on_error, freeze_startup_heap
+from engine_client.vllm.load_steps import LOAD_STEPS, Load
+from engine_client.vllm.startup import before_memory_snapshot
+from engine_client.vllm.steps import run_steps
+from modelopt_fp8.checkpoint import IdentityTier
+from protocol.errors import VerificationError, WeightCacheError
+from protocol.reasons import Reason
+
+__all__ = ["LOAD_FORMAT", "WeightCacheModelLoader", "before_load_window"]
+
+log = logging.getLogger(__name__)
+
+LOAD_FORMAT = "weight_cache"
+
+
+def before_load_window(options: LoaderOptions, model_id: Callable[[], str]) -> bool:
+    """The loader's hooks just before vLLM's load window opens (and its memory snapshot is
+    taken): freeze the startup heap, so the window's full collections skip it
+    (:func:`.internals.freeze_startup_heap`); with ``park``, wait until the daemon releases this
+    engine; then take this GPU's start-up slot (:func:`.startup.before_memory_snapshot`). False
+    when a park ended without a release: the load then falls back to its own weights."""
+    freeze_startup_heap()
+    try:
+        config = options.client_config()
+    except WeightCacheError:
+        return True  # an unreadable token file: the load reports it and falls back
+    ended = before_memory_snapshot(
+        options,
+        config,
+        model_id,
+        get_tensor_model_parallel_rank(),
+        get_tensor_model_parallel_world_size(),
+    )
+    return ended is None
+
+
+@register_model_loader(LOAD_FORMAT)
+class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
+    """Attach to weights processed and held by the weight-cache daemon."""
+
+    def __init__(self, load_config: Any) -> None:
+        super().__init__(load_config)
+        self.options = LoaderOptions.model_validate(
+            dict(load_config.model_loader_extra_config or {})
+        )
+        self.fallback_config = dataclasses.replace(
+            load_config, load_format="auto", model_loader_extra_config={}
+        )
+        self.attachment: Attachment | None = None
+        self.fallback_reason: Reason | None = None
+
+    def _default(self) -> DefaultModelLoader:
+        return DefaultModelLoader(self.fallback_config)
+
+    def download_model(self, model_config: Any) -> None:
+        self._default().download_model(model_config)
+
+    def load_weights(self, model: nn.Module, model_config: Any) -> None:
+        """In-place reloads (RL refits) read the checkpoint as vLLM always does; leased
+        weights are shared with the daemon and other engines, so they are never written."""
+        if self.attachment is not None and not self.attachment.closed:
+            raise VerificationError(
+                "this model's weights are leased from the weight-cache daemon and shared; "
+                "reload it with vLLM's default load format instead",
+                reason=Reason.leased_read_only,
+            )
+        self._default().load_weights(model, model_config)
+
+    def get_external_weight_memory(self, vllm_config: Any) -> int:
+        """vLLM's worker calls this once per engine start, just before its memory snapshot and
+        its load window, and as its last call to the loader before them: the loader's
+        :func:`before_load_window` hooks run here, then the question is answered by
+        :meth:`daemon_rank_bytes` (0 for an engine whose park ended without a release)."""
+        if not before_load_window(self.options, lambda: self._daemon_model_id(vllm_config)):
+            return 0
+        return self.daemon_rank_bytes(vllm_config)
+
+    def _daemon_model_id(self, vllm_config: Any) -> str:
+        model_config = vllm_config.model_config
+        tier = IdentityTier(self.options.identity)
+        return daemon_model(
+            self.options.client_config(),
+            self.options.model,
+            model_config,
+            lambda: checkpoint_identity(vllm_config, model_config, tier).fingerprint,
+        ).id
+
+    def daemon_rank_bytes(self, vllm_config: Any) -> int:
+        """Weight bytes the daemon holds for this rank (outside the engine's allocator), or 0
+        where it holds none for this engine. Asks the daemon and changes nothing; the
+        checkpoint's identity it reads is kept for the load of this engine start."""
+        model_config = vllm_config.model_config
+        tier = IdentityTier(self.options.identity)
+        try:
+            chosen = daemon_model(
+                self.options.client_config(),
+                self.options.model,
+                model_config,
+                lambda: checkpoint_identity(vllm_config, model_config, tier).fingerprint,
+            )
+        except WeightCacheError:
+            return 0
+        return rank_bytes(chosen)
+
+    def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
+        start = time.perf_counter()
+        try:
+            model = self._attach_model(vllm_config, model_config, prefix)
+        except Exception as exc:
+            self.fallback_reason = fall_back_or_raise(
+                exc, self.options.fallback, "falling back to vLLM's default loader"
+            )
+            fallback: nn.Module = self._default().load_model(vllm_config, model_config, prefix)
+            return fallback
+        attachment = self.attachment
+        assert attachment is not None
+        log.info(
+            "weight-cache: attached %d tensors (%.1f MiB) in %.1f ms (lease %.1f ms, open "
+            "%.1f ms, rebuild %.1f ms)",
+            len(attachment.tensors),
+            attachment.nbytes / 2**20,
+            (time.perf_counter() - start) * 1e3,
+            attachment.timings.lease_ms,
+            attachment.timings.open_ms,
+            attachment.timings.rebuild_ms,
+        )
+        return model
+
+    def _attach_model(self, vllm_config: Any, model_config: Any, prefix: str) -> nn.Module:
+        load = Load(
+            vllm_config,
+            model_config,
+            prefix,
+            self.options,
+            target_device(vllm_config),
+            self.create_model,
+        )
+        with forget_build_on_error(vllm_config), set_default_torch_dtype(model_config.dtype):
+            try:
+                times = run_steps(LOAD_STEPS, load)
+            except BaseException:
+                load.release()  # before the fallback loads
+                raise
+        log.info("weight-cache: steps inside vLLM: %s", times)
+        self.attachment = load.leased
+        evaluated: nn.Module = load.built.eval()
+        return evaluated
