@@ -160,7 +160,9 @@ MENTIONS = re.compile(
     r"cpuinfo|/sys/devices/system/cpu|lscpu|sysctl|_C\._cpu|get_cpu_capability|platform\.processor"
     r"|cpu_\w*has_"
 )
-CALLS = re.compile(r"^torch\._C\._cpu\b|get_cpu_capability$|^platform\.processor$|\._C\.cpu_\w*has_")
+CALLS = re.compile(
+    r"^torch\._C\._cpu\b|get_cpu_capability$|^platform\.processor$|\._C\.cpu_\w*has_"
+)
 
 
 def _dotted(node: ast.expr) -> str:
