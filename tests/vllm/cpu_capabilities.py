@@ -175,19 +175,21 @@ def _capabilities() -> Mapping[str, Any]:
     return MappingProxyType({name: view.answer(name, value) for name, value in host.items()})
 
 
-def _replace(module: ModuleType, name: str, value: object) -> None:
-    if not callable(getattr(module, name, None)):
+def _replace(module: ModuleType, name: str, value: Callable[[], Any]) -> Callable[[], Any]:
+    """Put ``value`` in place of ``module.name``; return what was there."""
+    replaced: Callable[[], Any] | None = getattr(module, name, None)
+    if replaced is None or not callable(replaced):
         raise RuntimeError(
             f"{module.__name__}.{name} is gone: tests/vllm/cpu_capabilities.py pins it, so the "
             "vLLM tests would see this host's CPU; find what replaced it and pin that"
         )
     setattr(module, name, value)
+    return replaced
 
 
 def _pin_torch(module: ModuleType) -> None:
     # Every torch.cpu._is_*_supported() reads get_capabilities(), as vLLM does directly.
-    _state.host_capabilities = module.get_capabilities
-    _replace(module, "get_capabilities", _capabilities)
+    _state.host_capabilities = _replace(module, "get_capabilities", _capabilities)
 
 
 def _not_on_a_plain_avx2_host() -> bool:
