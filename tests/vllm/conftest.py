@@ -21,8 +21,9 @@ if importlib.util.find_spec("vllm") is None:
 
 from tests.vllm import cpu_capabilities
 
-# Done at interpreter start where the tests run under `make test-vllm` (PYTHONPATH); here for a
-# plain `pytest tests/vllm`, before vLLM is imported.
+# Done at interpreter start under `make test-vllm` (PYTHONPATH=tests/vllm/startup). Without it
+# this pins the rest before vLLM is imported and for every process started from here, but torch
+# has already chosen its kernels (test_cpu_capabilities says so).
 cpu_capabilities.install()
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 vllm = pytest.importorskip("vllm")

@@ -138,6 +138,7 @@ class _State:
     view: CpuView = PLAIN_AVX2
     host_capabilities: Callable[[], Mapping[str, Any]] | None = None  # torch's own
     installed: bool = False
+    at_interpreter_start: bool = False  # by sitecustomize, before anything ran a torch kernel
 
 
 _state = _State()
@@ -145,6 +146,10 @@ _state = _State()
 
 def current_view() -> CpuView:
     return _state.view
+
+
+def installed_at_interpreter_start() -> bool:
+    return _state.at_interpreter_start
 
 
 @contextlib.contextmanager
@@ -205,9 +210,10 @@ def _pin_vllm_ops(module: ModuleType) -> None:
     _replace(module, "cpu_has_amx_fp8", _not_on_a_plain_avx2_host)
 
 
-def install() -> None:
+def install(*, at_interpreter_start: bool = False) -> None:
     """Pin every probe in this process (as each module is imported) and in every process
     started from it. Call it before torch runs a kernel: at interpreter start."""
+    _state.at_interpreter_start |= at_interpreter_start
     os.environ.update(ENVIRONMENT)
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if str(STARTUP) not in paths:

@@ -30,6 +30,7 @@ from tests.vllm.cpu_capabilities import (
     current_view,
     host_capabilities,
     host_has,
+    installed_at_interpreter_start,
     viewing,
 )
 
@@ -62,16 +63,21 @@ PLAIN_AVX2_ANSWERS = {
 
 
 def _answers_to(rank: int, out: str) -> None:
-    Path(out, "answers.json").write_text(json.dumps(answers()))
+    answered = {"at start": installed_at_interpreter_start(), **answers()}
+    Path(out, "answers.json").write_text(json.dumps(answered))
 
 
 def test_every_process_sees_a_plain_avx2_host(tmp_path: Path) -> None:
-    """Here and in a process spawned as the TP ranks are (which runs no conftest: only the
-    interpreter-start hook can have pinned it there)."""
+    """Here and in a process spawned as the TP ranks are (which runs no conftest)."""
+    assert installed_at_interpreter_start(), (
+        "run the vLLM tests with PYTHONPATH=tests/vllm/startup (make test-vllm does): without "
+        "it torch chose its kernels for this host's CPU before the conftest pinned the rest"
+    )
     assert current_view() == PLAIN_AVX2
     assert answers() == PLAIN_AVX2_ANSWERS
     start_processes(_answers_to, args=(str(tmp_path),), nprocs=1, start_method="spawn")
-    assert json.loads((tmp_path / "answers.json").read_text()) == PLAIN_AVX2_ANSWERS
+    spawned = json.loads((tmp_path / "answers.json").read_text())
+    assert spawned == {"at start": True, **PLAIN_AVX2_ANSWERS}
 
 
 def test_the_start_hook_keeps_the_sitecustomize_it_hides(tmp_path: Path) -> None:

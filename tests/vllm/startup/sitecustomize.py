@@ -16,7 +16,7 @@ if str(_ROOT) not in sys.path:
 
 from tests.vllm.cpu_capabilities import install  # noqa: E402
 
-install()
+install(at_interpreter_start=True)
 
 _entries = [Path(p).resolve() if p else None for p in sys.path]
 _after = sys.path[_entries.index(_HERE) + 1 :] if _HERE in _entries else []
