@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,15 +85,17 @@ def _cases() -> list[Case]:
 CASES = _cases()
 
 
-def _params(cases: list[Case]) -> Iterator[object]:
+def _params(cases: list[Case]) -> Sequence[object]:
     """Each case; a KV-fp8 one twice, standing in for AVX-512 and asking the host for it."""
+    params = []
     for case in cases:
         if case.kv_cache_dtype == "fp8":
-            yield pytest.param(case, True, id=f"{case.id}-standin")
+            params.append(pytest.param(case, True, id=f"{case.id}-standin"))
             marks = pytest.mark.host_capability(FP8_KV_CACHE_NEEDS)
-            yield pytest.param(case, False, id=f"{case.id}-host", marks=marks)
+            params.append(pytest.param(case, False, id=f"{case.id}-host", marks=marks))
         else:
-            yield pytest.param(case, False, id=case.id)
+            params.append(pytest.param(case, False, id=case.id))
+    return params
 
 
 def _view(stand_in: bool) -> CpuView:
