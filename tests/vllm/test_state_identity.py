@@ -4,7 +4,11 @@ and bytes, the same sharing (a tied LM head stays ``embed_tokens.weight``), the 
 plain attributes; and every leased tensor points into the daemon's arena.
 
 Both loads run on vLLM's CPU platform with the CUTLASS kernel pinned (the kernel the daemon
-processes for, as on Hopper), from one daemon process serving every variant.
+processes for, as on Hopper), from one daemon process serving every variant, on what answers as a
+plain AVX2 host (``cpu_capabilities``). vLLM's CPU attention backend takes an FP8 KV cache only
+with AVX-512 or AMX, yet no attention kernel runs in a load: the KV-fp8 cases run with a stand-in
+for AVX-512 on every host, and with the host's own answer where it has AVX-512. (AMX would also
+select vLLM's packed GEMMs, whose ops its CUDA build lacks.)
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +28,7 @@ from torch.multiprocessing.spawn import start_processes
 from protocol.schemas.layout import CarriedKind
 from tests.conftest import FIXTURES
 from tests.daemon_process import DaemonProcess, free_port, start_daemon
+from tests.vllm.cpu_capabilities import FP8_KV_CACHE_NEEDS, CpuView, current_view, viewing
 from tests.vllm.model_state import model_state
 from tests.vllm.variants import make_variant
 from tests.vllm.vllm_model import configs, cutlass_kernel_on_cpu, vllm_world
@@ -78,6 +83,23 @@ def _cases() -> list[Case]:
 
 
 CASES = _cases()
+
+
+def _params(cases: list[Case]) -> Sequence[object]:
+    """Each case; a KV-fp8 one twice, standing in for AVX-512 and asking the host for it."""
+    params = []
+    for case in cases:
+        if case.kv_cache_dtype == "fp8":
+            params.append(pytest.param(case, True, id=f"{case.id}-standin"))
+            marks = pytest.mark.host_capability(FP8_KV_CACHE_NEEDS)
+            params.append(pytest.param(case, False, id=f"{case.id}-host", marks=marks))
+        else:
+            params.append(pytest.param(case, False, id=case.id))
+    return params
+
+
+def _view(stand_in: bool) -> CpuView:
+    return current_view().claiming(FP8_KV_CACHE_NEEDS) if stand_in else current_view()
 
 
 def _checkpoint_for(case: Case, root: Path) -> Path:
@@ -149,15 +171,15 @@ def _load(case: Case, url: str, checkpoint: Path, load_format: str, rank: int, p
 
 
 def _differences(
-    case: Case, url: str, checkpoint: Path, rank: int, ports: tuple[int, int]
+    case: Case, url: str, checkpoint: Path, rank: int, ports: tuple[int, int], view: CpuView
 ) -> list[str]:
     """Load ``checkpoint`` with vLLM's default loader and with ``weight_cache`` (fallback off)
-    in this process, as rank ``rank``; return every difference, and every leased tensor that
-    does not point into the arena."""
+    in this process, as rank ``rank``, on a host CPU answering as ``view``; return every
+    difference, and every leased tensor that does not point into the arena."""
     import engine_client.vllm_plugin
 
     engine_client.vllm_plugin.register()
-    with cutlass_kernel_on_cpu():
+    with cutlass_kernel_on_cpu(), viewing(view):
         _, default_model = _load(case, url, checkpoint, "auto", rank, ports[0])
         loader, model = _load(case, url, checkpoint, "weight_cache", rank, ports[1])
     problems = model_state(default_model).differences(model_state(model))
@@ -179,24 +201,33 @@ def _differences(
 
 
 def _rank(
-    rank: int, case: Case, url: str, checkpoint: str, ports: tuple[int, int], out: str
+    rank: int,
+    case: Case,
+    url: str,
+    checkpoint: str,
+    ports: tuple[int, int],
+    view: CpuView,
+    out: str,
 ) -> None:
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
-    problems = _differences(case, url, Path(checkpoint), rank, ports)
+    problems = _differences(case, url, Path(checkpoint), rank, ports, view)
     Path(out, f"rank{rank}.json").write_text(json.dumps(problems))
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.tp == 1], ids=lambda c: c.id)
-def test_state_equals_default_loader(case: Case, served: tuple[DaemonProcess, Path]) -> None:
+@pytest.mark.parametrize(("case", "stand_in"), _params([c for c in CASES if c.tp == 1]))
+def test_state_equals_default_loader(
+    case: Case, stand_in: bool, served: tuple[DaemonProcess, Path]
+) -> None:
     daemon, root = served
     ports = (free_port(), free_port())
-    problems = _differences(case, daemon.url, _checkpoint_for(case, root), 0, ports)
+    checkpoint = _checkpoint_for(case, root)
+    problems = _differences(case, daemon.url, checkpoint, 0, ports, _view(stand_in))
     assert problems == []
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.tp > 1], ids=lambda c: c.id)
+@pytest.mark.parametrize(("case", "stand_in"), _params([c for c in CASES if c.tp > 1]))
 def test_state_equals_default_loader_per_rank(
-    case: Case, served: tuple[DaemonProcess, Path], tmp_path: Path
+    case: Case, stand_in: bool, served: tuple[DaemonProcess, Path], tmp_path: Path
 ) -> None:
     """Every rank, in its own process on gloo, compares its own shard."""
     daemon, root = served
@@ -207,6 +238,7 @@ def test_state_equals_default_loader_per_rank(
             daemon.url,
             str(_checkpoint_for(case, root)),
             (free_port(), free_port()),
+            _view(stand_in),
             str(tmp_path),
         ),
         nprocs=case.tp,
