@@ -21,45 +21,25 @@ writes the figures (rewritten after each step, so a run cut short keeps what it 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import re
-import resource
 import shutil
 import statistics
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from bench.common import CACHE, shm_scratch, warm_page_cache
+from bench.daemon_loads import daemon_load, pair_of_loads, release
+from bench.measure import cpu_seconds, log, sync, timed
+from bench.plain_load import plain_process, plain_read, same_bytes
+from bench.vllm_default_load import vllm_load
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import ModelPlan, plan_model
-from modelopt_fp8.processing.execute import requantize_maps
-from protocol.devices import Placement
-from protocol.schemas.layout import Scheme
-from protocol.schemas.manifest import DeviceKind
+from modelopt_fp8.processing import plan_model
 from service.demo import SHAPES, write_demo_checkpoint
-from service.memory.shm import ArenaDir
-from service.registry.loader import LoadRequest, Progress, ResidentRank, load_model
-
-VLLM_LINE = re.compile(r"Model loading took ([\d.]+) GiB(?: memory)? and ([\d.]+) s")
-
-
-def log(message: str) -> None:
-    print(message, flush=True)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def checkpoint(directory: Path, shape: str, scheme: str) -> Path:
@@ -70,246 +50,6 @@ def checkpoint(directory: Path, shape: str, scheme: str) -> Path:
         write_demo_checkpoint(path, scheme, shape)
         log(f"  written in {time.perf_counter() - start:.0f} s")
     return path
-
-
-# --- 1. the daemon's load -----------------------------------------------------------------------
-
-
-def daemon_load(path: Path, device: torch.device, shm: Path, model_id: str) -> list[ResidentRank]:
-    placement = (
-        Placement(DeviceKind.cuda, device.index or 0)
-        if device.type == "cuda"
-        else Placement(DeviceKind.cpu)
-    )
-    request = LoadRequest.unmanaged(model_id, path, [placement], ArenaDir.prepare(shm))
-    return load_model(request, Progress())
-
-
-def release(ranks: list[ResidentRank]) -> None:
-    for rank in ranks:
-        rank.arena.release()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def cpu_seconds() -> float:
-    """User + system CPU time of this process, all threads."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    start = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - start, out
-
-
-# --- 2. load_file + .to(device) + the same processing -------------------------------------------
-
-
-def plain_read(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every checkpoint tensor on ``device`` (``load_file`` only maps the file: the copy to the
-    device, or ``.clone()`` on the CPU, is the read)."""
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        for name, tensor in load_file(str(file)).items():
-            tensors[name] = tensor.to(device) if device.type == "cuda" else tensor.clone()
-    sync(device)
-    return tensors
-
-
-def plain_process(
-    plan: ModelPlan, tensors: dict[str, torch.Tensor], device: torch.device
-) -> dict[str, torch.Tensor]:
-    """The processing in plain torch on ``device``: slice, fuse, requantize (the same code
-    maps, gathered on the device), pad; returns every storage."""
-    out: dict[str, torch.Tensor] = {}
-    for lp in plan.linears:
-        parts = [
-            tensors[s.weight][s.slice.rows[0] : s.slice.rows[1], s.slice.cols[0] : s.slice.cols[1]]
-            for s in lp.shards
-        ]
-        scheme = lp.layout.scheme
-        if scheme is Scheme.fp8:
-            max_scale, maps = requantize_maps(
-                [plan.scales[s.weight_scale or ""] for s in lp.shards]
-            )
-            for i, code_map in enumerate(maps):
-                if code_map is None:
-                    continue
-                codes = parts[i].contiguous().view(torch.uint8)
-                if device.type == "cuda":
-                    table = torch.from_numpy(code_map.table).to(device)
-                    parts[i] = table[codes.long()].view(parts[i].dtype)
-                else:  # torch gathers bytes slowly on the CPU: NumPy, as the daemon does
-                    mapped = torch.empty_like(codes)
-                    code_map.apply(codes.numpy(), mapped.numpy())
-                    parts[i] = mapped.view(parts[i].dtype)
-            assert lp.weight_scale is not None and lp.input_scale is not None
-            out[lp.weight_scale.name] = max_scale.to(device)
-            inputs = [plan.scales[s.input_scale or ""].reshape(()) for s in lp.shards]
-            out[lp.input_scale.name] = torch.stack(inputs).max().to(device)
-        elif scheme is Scheme.fp8_pc_pt:
-            assert lp.weight_scale is not None
-            scale = torch.ones(lp.weight_scale.storage_shape, dtype=torch.float32, device=device)
-            rows = [
-                plan.scales[s.weight_scale or ""].reshape(-1)[s.slice.rows[0] : s.slice.rows[1]]
-                for s in lp.shards
-            ]
-            joined = torch.cat(rows).to(device)
-            scale[: joined.numel()] = joined
-            out[lp.weight_scale.name] = scale
-        fused = torch.cat(parts)
-        weight = torch.zeros(lp.weight.storage_shape, dtype=lp.weight.dtype, device=device)
-        weight[: fused.shape[0], : fused.shape[1]] = fused
-        out[lp.weight.name] = weight
-        if lp.bias is not None:
-            biases = [tensors[s.bias or ""][s.slice.rows[0] : s.slice.rows[1]] for s in lp.shards]
-            out[lp.bias.name] = torch.cat(biases)
-    for cp in plan.carried:
-        out[cp.spec.name] = tensors[cp.source]
-    sync(device)
-    return out
-
-
-def same_bytes(
-    ranks: list[ResidentRank], plan: ModelPlan, storages: dict[str, torch.Tensor]
-) -> bool:
-    arena = ranks[0].arena
-    for spec in plan.specs:
-        ours = arena.storage(spec).reshape(-1).view(torch.uint8)
-        theirs = storages[spec.name].contiguous().reshape(-1).view(torch.uint8).to(ours.device)
-        if not torch.equal(ours, theirs):
-            log(f"  bytes differ: {spec.name}")
-            return False
-    return True
-
-
-# --- 3. vLLM's default loader --------------------------------------------------------------------
-
-VLLM_CODE = """
-import sys, vllm
-vllm.LLM(model=sys.argv[1], load_format="auto", enforce_eager=True, skip_tokenizer_init=True,
-         gpu_memory_utilization=float(sys.argv[2]), max_model_len=1024, max_num_seqs=8, seed=0)
-print("weight-cache bench: vLLM engine built", flush=True)
-"""
-
-
-def vllm_env(site: str | None) -> dict[str, str] | None:
-    """The environment vLLM runs in: this one if it imports vllm, else ``site`` (or the H200
-    recipe's /tmp/site) on PYTHONPATH if vllm is there; None when vLLM is nowhere."""
-    env = dict(os.environ)
-    env.update(
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_USE_FLASHINFER_SAMPLER=os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
-        VLLM_NO_USAGE_STATS="1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK="1",
-        PYTHONUNBUFFERED="1",
-    )
-    if site is None and importlib.util.find_spec("vllm") is not None:
-        return env
-    candidates = [site] if site else ["/tmp/site"]
-    for candidate in candidates:
-        if candidate and (Path(candidate) / "vllm" / "__init__.py").is_file():
-            env["PYTHONPATH"] = os.pathsep.join([candidate, os.getcwd()])
-            return env
-    return None
-
-
-def vllm_load(path: Path, site: str | None, timeout_s: float, memory: float) -> dict[str, Any]:
-    """vLLM's own figure for its default loader, read from its log as it comes; the engine is
-    stopped once the line is there (the rest of its start-up is not a load)."""
-    env = vllm_env(site)
-    if env is None:
-        return {"skipped": "vLLM is not importable here (give --vllm-site DIR holding vllm/)"}
-    log("vLLM's default loader (fresh process, load_format='auto') ...")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", VLLM_CODE, str(path), str(memory)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-    )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
-    reader.start()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        if VLLM_LINE.search("".join(lines[-50:])):
-            break
-        time.sleep(0.2)
-    timed_out = time.monotonic() >= deadline
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    reader.join(10)
-    text = "".join(lines)
-    found = VLLM_LINE.findall(text)
-    if not found:
-        ended = "timed out" if timed_out else f"exit {proc.returncode}"
-        return {"error": f"no 'Model loading took' line ({ended})", "tail": text[-3000:]}
-    gib, seconds = found[-1]
-    return {"seconds": float(seconds), "gib": float(gib)}
-
-
-# --- 4. two loads at once ------------------------------------------------------------------------
-
-
-def pair_of_loads(path: Path, device: torch.device, shm: Path, repeats: int) -> dict[str, Any]:
-    """Two loads of the checkpoint one after the other, and two at once (two threads, as the
-    daemon runs two loads), ``repeats`` times each, alternating which goes first; medians."""
-
-    def sequential() -> float:
-        start = time.perf_counter()
-        release(daemon_load(path, device, shm, "seq-a"))
-        release(daemon_load(path, device, shm, "seq-b"))
-        return time.perf_counter() - start
-
-    def together() -> float:
-        held: list[list[ResidentRank]] = []
-        errors: list[BaseException] = []
-
-        def run(model_id: str) -> None:
-            try:
-                held.append(daemon_load(path, device, shm, model_id))
-            except BaseException as exc:
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(f"par-{i}",)) for i in range(2)]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        seconds = time.perf_counter() - start
-        for ranks in held:
-            release(ranks)
-        if errors:
-            raise errors[0]
-        return seconds
-
-    seq: list[float] = []
-    par: list[float] = []
-    for i in range(repeats):
-        order = [(seq, sequential), (par, together)]
-        for times, fn in order if i % 2 == 0 else order[::-1]:
-            times.append(fn())
-    return {
-        "sequential_s": statistics.median(seq),
-        "together_s": statistics.median(par),
-        "sequential_all_s": seq,
-        "together_all_s": par,
-    }
-
-
-# --- the run -------------------------------------------------------------------------------------
 
 
 def main() -> None:

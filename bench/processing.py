@@ -21,8 +21,8 @@ import shutil
 import torch
 from safetensors.torch import load_file
 
-from bench.cold_load import daemon_load, release
 from bench.common import demo_checkpoint, median_seconds, shm_scratch, warm_page_cache
+from bench.daemon_loads import daemon_load, release
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.processing import plan_model, process_checkpoint
 from service.registry.loader import ResidentRank

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.processing import CarriedPlan, LinearPlan, ModelPlan, TensorSpec, plan_model
 from modelopt_fp8.processing.fp8 import FP8_DTYPE, requantize_lut
-from modelopt_fp8.processing.plan import CarriedPlan, LinearPlan, ModelPlan, TensorSpec, plan_model
 from protocol.errors import CorruptFileError
 from protocol.schemas.layout import Scheme
 

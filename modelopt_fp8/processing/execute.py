@@ -27,9 +27,11 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.processing.carried_plan import CarriedPlan
 from modelopt_fp8.processing.fill import run_jobs
 from modelopt_fp8.processing.fp8 import CodeMap, requantize_map
-from modelopt_fp8.processing.plan import CarriedPlan, LinearPlan, ModelPlan, TensorSpec
+from modelopt_fp8.processing.linear_plan import LinearPlan
+from modelopt_fp8.processing.plan import ModelPlan
 from modelopt_fp8.processing.rows import (
     Destination,
     Fill,
@@ -42,6 +44,7 @@ from modelopt_fp8.processing.rows import (
     storage_rows,
 )
 from modelopt_fp8.processing.source import SourceFiles
+from modelopt_fp8.processing.tensor_spec import TensorSpec
 from protocol.schemas.layout import Scheme
 
 # Where each tensor's contiguous storage (shape ``spec.storage_shape``, dtype ``spec.dtype``) goes:

@@ -18,8 +18,8 @@ import numpy.typing as npt
 import torch
 
 from modelopt_fp8.processing.fp8 import CodeMap
-from modelopt_fp8.processing.plan import TensorSpec
 from modelopt_fp8.processing.source import SourceFiles
+from modelopt_fp8.processing.tensor_spec import TensorSpec
 
 Bytes = npt.NDArray[np.uint8]
 OnProgress = Callable[[int, int], None]  # (bytes written, tensors written) since the last call

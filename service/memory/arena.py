@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from modelopt_fp8.processing.plan import TensorSpec
+from modelopt_fp8.processing.tensor_spec import TensorSpec
 from protocol import cuda_vmm
 from protocol.cuda_ipc import export_cuda_arena
 from protocol.cuda_vmm import DeviceMapping

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from modelopt_fp8.processing.cutlass import pad_to_alignment
-from modelopt_fp8.processing.plan import TensorSpec
+from modelopt_fp8.processing.tensor_spec import TensorSpec
 
 ALIGNMENT = 256
 

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from modelopt_fp8.processing.plan import TensorSpec
+from modelopt_fp8.processing.tensor_spec import TensorSpec
 from protocol.checksum import storage_checksum
 from service.memory.layout import ALIGNMENT, pack
 
