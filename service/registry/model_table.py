@@ -28,6 +28,7 @@ from protocol.schemas.models import ModelState, default_model_id
 from service.logsafe import get_logger
 from service.memory.devices import resolve_placements
 from service.memory.shm import ArenaDir
+from service.memory.trim import give_back_freed_memory
 from service.registry.loader import LoadCancelled, LoadRequest, load_model
 from service.registry.models import ModelRecord
 from service.settings import DaemonSettings
@@ -195,6 +196,7 @@ class ModelTable:
         finally:
             with self.lock:
                 self._draining.discard(record)
+            give_back_freed_memory()  # what the load's buffers took, however it ended
 
     def _load_into(self, record: ModelRecord, request: LoadRequest) -> None:
         log.info("loading %s from %s (tp_size %d)", record.id, record.path, record.tp_size)
