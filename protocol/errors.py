@@ -404,6 +404,58 @@ class MalformedRequestError(InvalidRequestError):
     title = "Malformed HTTP request"
 
 
+# --- Who may call, and whose leases ------------------------------------------------------------
+
+
+class ForbiddenError(WeightCacheError):
+    code = "forbidden"
+    status = 403
+    title = "Forbidden"
+
+
+class PeerNotAllowedError(ForbiddenError):
+    """Without a token, a loopback TCP peer of another user than the daemon's (and not root)."""
+
+    code = "peer_not_allowed"
+    title = "Local user not allowed without the token"
+
+
+class ClientNotVisibleError(ForbiddenError):
+    """A lease for a process the daemon cannot see (so could never reap)."""
+
+    code = "client_not_visible"
+    title = "Client process not visible to the daemon"
+
+
+class ClientNotYoursError(ForbiddenError):
+    """A lease for a process of another user than the caller's."""
+
+    code = "client_not_yours"
+    title = "Client process belongs to another user"
+
+
+class LeaseNotYoursError(ForbiddenError):
+    code = "lease_not_yours"
+    title = "Lease held by another user"
+
+
+class TooManyUserLeasesError(TooManyLeasesError):
+    code = "too_many_user_leases"
+    title = "Too many active leases for this user"
+
+
+class TooManyModelsError(WeightCacheError):
+    code = "too_many_models"
+    status = 429
+    title = "Too many models registered"
+
+
+class TooManyLoadsError(WeightCacheError):
+    code = "too_many_loads"
+    status = 429
+    title = "Too many loads at once"
+
+
 # What to do about each code: sent as the problem document's ``hint``, printed by the CLI, and
 # the last column of the README's troubleshooting table (a test keeps the three equal).
 HINTS: dict[str, str] = {
@@ -465,6 +517,19 @@ HINTS: dict[str, str] = {
     "malformed_request": "speak HTTP/1.1 to the daemon",
     "arena_lost": "unload the model (DELETE /v1/models/{id}) and load it again; keep /dev/shm "
     "cleaners away from the daemon's files",
+    "forbidden": "ask the daemon's operator",
+    "peer_not_allowed": "use the daemon's Unix socket (--uds; --socket-group opens it to a group), "
+    "or send the daemon's token (--token-file); --trust-local-users opens loopback TCP to all",
+    "client_not_visible": "lease over the daemon's Unix socket (--uds), which proves who you are, "
+    "or run the engine in the daemon's PID namespace (compose: `pid: service:daemon`)",
+    "client_not_yours": "send your own process id as client_pid",
+    "lease_not_yours": "only the user that took a lease (or a token holder) may read, renew or "
+    "release it",
+    "too_many_user_leases": "release this user's leases (--max-leases-per-uid raises the cap)",
+    "too_many_models": "unload models you no longer need, failed ones included (DELETE "
+    "/v1/models/{id}; --max-models raises the cap)",
+    "too_many_loads": "retry after `Retry-After` seconds, once a load has finished "
+    "(--max-concurrent-loads raises the cap)",
 }
 
 # The same advice for a user of the ``weight-cache`` command, where it differs.

@@ -23,7 +23,13 @@ from pydantic import SecretStr
 
 from modelopt_fp8.checkpoint.opened import PathPolicy
 from protocol.checksum import storage_checksum
-from protocol.errors import ArenaCorruptedError, ArenaLostError, ModelInUseError, WeightCacheError
+from protocol.errors import (
+    ArenaCorruptedError,
+    ArenaLostError,
+    LeaseNotYoursError,
+    ModelInUseError,
+    WeightCacheError,
+)
 from protocol.schemas.health import Health, Readiness
 from protocol.schemas.inventory import Inventory
 from protocol.schemas.leases import LeaseInfo, LeaseRequest
@@ -36,8 +42,9 @@ from service.memory.shm import ArenaDir, remove_stale_files
 from service.metrics import Metrics, StateSnapshot
 from service.registry.compatibility import check_request_fits
 from service.registry.grant import Grant
+from service.registry.lease_holders import Caller, prove_holder
 from service.registry.lease_limits import LeaseLimits
-from service.registry.leases import Lease, LeaseEnd, LeaseTable, client_start
+from service.registry.leases import Lease, LeaseEnd, LeaseTable
 from service.registry.model_table import ModelTable
 from service.registry.models import ModelRecord
 from service.registry.path_policy import allowed_checkpoint_path, api_load_policy
@@ -158,15 +165,17 @@ class Daemon:
 
     # --- leases --------------------------------------------------------------------------------
 
-    def grant(self, req: LeaseRequest) -> Grant:
-        pid_start = client_start(req.client_pid)  # outside the lock: other grants go on
+    def grant(self, req: LeaseRequest, caller: Caller | None = None) -> Grant:
+        """A lease for ``caller`` (default: this process), tied to its holder as the kernel
+        proved it (:mod:`service.registry.lease_holders`)."""
+        holder = prove_holder(caller or Caller.local(), req.client_pid)  # /proc: outside the lock
         with self.lock:
             record = self.models.get(req.model)
             self.models.fail_lost_arenas(record)
             record.require_ready()
             check_request_fits(record, req)
             ttl = self.limits.ttl_for(req.ttl_s)
-            self.limits.check_room(self.leases, req.client_pid)
+            self.limits.check_room(self.leases, holder)
             rank = record.ranks[req.tp_rank]
             handle = rank.arena.export()  # fresh for every lease
             lease = self.leases.add(
@@ -176,7 +185,7 @@ class Daemon:
                 req.client_pid,
                 ttl,
                 self.leases.now(),
-                pid_start,
+                holder,
             )
             info = lease.info(self.boot_id)
         self.metrics.leases_granted.inc()
@@ -187,24 +196,38 @@ class Daemon:
         """How long a grant took the API, its rendering included (a histogram)."""
         self.metrics.lease_seconds.observe(seconds)
 
-    def lease(self, lease_id: str) -> LeaseInfo:
-        with self.lock:
-            return self.leases.get(lease_id, self.leases.now()).info(self.boot_id)
+    def _held(self, lease_id: str, caller: Caller | None) -> Lease:
+        """The active lease ``lease_id``, if ``caller`` may touch it. Caller holds the lock."""
+        lease = self.leases.get(lease_id, self.leases.now())
+        if not (caller or Caller.local()).may_manage(lease.holder_uid):
+            raise LeaseNotYoursError(f"lease {lease_id} is held by another user", lease=lease_id)
+        return lease
 
-    def list_leases(self) -> list[LeaseInfo]:
+    def lease(self, lease_id: str, caller: Caller | None = None) -> LeaseInfo:
+        with self.lock:
+            return self._held(lease_id, caller).info(self.boot_id)
+
+    def list_leases(self, caller: Caller | None = None) -> list[LeaseInfo]:
+        """The active leases ``caller`` may touch (every one for a trusted caller)."""
+        caller = caller or Caller.local()
         with self.lock:
             self.leases.expire(self.leases.now())
-            return [lease.info(self.boot_id) for lease in self.leases.active.values()]
+            return [
+                lease.info(self.boot_id)
+                for lease in self.leases.active.values()
+                if caller.may_manage(lease.holder_uid)
+            ]
 
-    def renew(self, lease_id: str, ttl_s: float | None) -> LeaseInfo:
+    def renew(self, lease_id: str, ttl_s: float | None, caller: Caller | None = None) -> LeaseInfo:
         if ttl_s is not None:
             self.limits.checked_ttl(ttl_s)
         with self.lock:
+            self._held(lease_id, caller)
             return self.leases.renew(lease_id, ttl_s, self.leases.now()).info(self.boot_id)
 
-    def release(self, lease_id: str) -> None:
+    def release(self, lease_id: str, caller: Caller | None = None) -> None:
         with self.lock:
-            self.leases.get(lease_id, self.leases.now())
+            self._held(lease_id, caller)
             self.leases.end(lease_id, LeaseEnd.released)
 
     def _lease_ended(self, lease: Lease, how: LeaseEnd) -> None:

@@ -34,11 +34,16 @@ SETTINGS_FIELDS = (
     "scrub_interval_s",
     "max_leases",
     "max_leases_per_client",
+    "max_leases_per_uid",
+    "max_models",
+    "max_concurrent_loads",
     "max_connections",
     "max_header_bytes",
     "request_timeout_s",
     "follow_symlinks",
     "keep_going",
+    "socket_group",
+    "trust_local_users",
 )
 
 # Fields whose variable is named after the flag rather than the field (preferred name first;

@@ -19,7 +19,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from protocol.errors import UnauthorizedError
 from protocol.schemas.models import default_model_id
-from protocol.tokens import choose_token, read_token_file
+from protocol.tokens import choose_token, exposed_token_file, header_safe, read_token_file
 from protocol.version import DEFAULT_PORT
 from service.env import ENV_PREFIX, check_environment, env_names, known_variables
 
@@ -101,6 +101,18 @@ class DaemonSettings(BaseSettings):
     max_leases_per_client: int = Field(
         default=256, ge=1, description="active leases of one client process"
     )
+    max_leases_per_uid: int = Field(
+        default=1024,
+        ge=1,
+        description="active leases of one user (a quarter of --max-leases by default, so "
+        "one user cannot take the others' room)",
+    )
+    max_models: int = Field(
+        default=64, ge=1, description="models registered at once, failed ones included"
+    )
+    max_concurrent_loads: int = Field(
+        default=4, ge=1, description="loads running at once; more are refused with 429"
+    )
     max_connections: int = Field(default=256, ge=1, description="open HTTP connections")
     max_header_bytes: int = Field(
         default=32 * 1024, ge=1024, description="request line and headers of one request"
@@ -118,6 +130,16 @@ class DaemonSettings(BaseSettings):
     )
     keep_going: bool = Field(
         default=False, description="keep serving when a startup model fails to load"
+    )
+    socket_group: str | None = Field(
+        default=None,
+        description="group that may use the --uds socket (mode 0660); default: the daemon's "
+        "user only (0600)",
+    )
+    trust_local_users: bool = Field(
+        default=False,
+        description="without a token, serve every local user over loopback TCP (default: "
+        "only the daemon's user and root; others use the Unix socket or the token)",
     )
 
     def __init__(self, **values: Any) -> None:
@@ -152,11 +174,17 @@ class DaemonSettings(BaseSettings):
                 self.token = SecretStr(read_token_file(self.token_file))
             except UnauthorizedError as exc:
                 raise ValueError(exc.detail) from exc
+            exposed = exposed_token_file(self.token_file)
+            if exposed is not None:
+                raise ValueError(exposed)
         if self.token is not None:
             value = self.token.get_secret_value().strip()
             if not value:
                 raise ValueError("the token is empty or whitespace only")
-            self.token = SecretStr(value)
+            try:
+                self.token = SecretStr(header_safe(value))
+            except UnauthorizedError as exc:
+                raise ValueError(exc.detail) from exc
         return self
 
     def startup_models(self) -> list[tuple[Path, str]]:

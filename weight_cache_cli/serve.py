@@ -330,6 +330,24 @@ def _settings_options(command: F) -> F:
             f"env: {_env('max_leases_per_client')}].",
         ),
         click.option(
+            "--max-leases-per-uid",
+            type=int,
+            help="Most active leases of one user, so one user cannot take the others' room "
+            f"[default: 1024; env: {_env('max_leases_per_uid')}].",
+        ),
+        click.option(
+            "--max-models",
+            type=int,
+            help="Most models registered at once, failed ones included [default: 64; "
+            f"env: {_env('max_models')}].",
+        ),
+        click.option(
+            "--max-concurrent-loads",
+            type=int,
+            help="Most loads running at once; POST /v1/models beyond is refused with 429 "
+            f"[default: 4; env: {_env('max_concurrent_loads')}].",
+        ),
+        click.option(
             "--max-connections",
             type=int,
             help="Most open HTTP connections; more are answered 503 [default: 256; "
@@ -360,6 +378,18 @@ def _settings_options(command: F) -> F:
             help="Keep serving when a startup model fails to load, and report ready once every "
             "startup model is ready or failed [default: exit with status 1; "
             f"env: {_env('keep_going')}].",
+        ),
+        click.option(
+            "--socket-group",
+            help="Group that may use the --uds socket (mode 0660) [default: the daemon's user "
+            f"only, 0600; env: {_env('socket_group')}].",
+        ),
+        click.option(
+            "--trust-local-users/--no-trust-local-users",
+            default=None,
+            help="Without a token, serve every local user over loopback TCP [default: only the "
+            "daemon's user and root; others use the Unix socket or the token; "
+            f"env: {_env('trust_local_users')}].",
         ),
     ]
     for option in reversed(options):

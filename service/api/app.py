@@ -9,11 +9,11 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 import anyio.to_thread
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 
 from protocol.version import __version__
 from service.api import problems
-from service.api.auth import require_token
+from service.api.auth import Authenticate
 from service.api.limits import BodySizeLimit
 from service.api.routes import health, inventory, leases, metrics, models
 from service.daemon import Daemon
@@ -65,12 +65,18 @@ def create_app(settings: DaemonSettings, daemon: Daemon | None = None) -> FastAP
     app.state.daemon = daemon
     problems.install(app)
     app.include_router(health.router)
-    protected = [Depends(require_token)]
     for router in (inventory.router, models.router, leases.router, metrics.router):
-        app.include_router(router, dependencies=protected)
+        app.include_router(router)
     app.add_middleware(
         BodySizeLimit,
         max_bytes=settings.max_body_bytes,
+        on_refuse=daemon.count_refusal,
+    )
+    # Added last, so it runs first: who may call is decided before a body is read.
+    app.add_middleware(
+        Authenticate,
+        token=lambda: daemon.token,
+        trust_local_users=settings.trust_local_users,
         on_refuse=daemon.count_refusal,
     )
     return app

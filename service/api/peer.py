@@ -136,12 +136,20 @@ def tcp_peer_uid(client: tuple[str, int] | None, server: tuple[str, int] | None)
         return None
 
 
+PEER_KEY = "weight_cache.peer"  # ASGI scope key: the request's connection's ConnectionPeer
+
+
 class ConnectionPeer:
     """One connection's peer, found once: Unix credentials when the connection is made, a TCP
     peer's uid the first time a request needs it (cached for the connection's later requests)."""
 
     def __init__(self, unix: PeerCredentials | None) -> None:
         self._credentials = unix
+
+    @property
+    def known(self) -> bool:
+        """Whether :meth:`credentials` answers without asking the kernel."""
+        return self._credentials is not None
 
     def credentials(
         self, client: tuple[str, int] | None, server: tuple[str, int] | None

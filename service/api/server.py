@@ -53,7 +53,7 @@ from protocol.errors import (
     TooManyConnectionsError,
     WeightCacheError,
 )
-from service.api.peer import ConnectionPeer, unix_credentials
+from service.api.peer import PEER_KEY, ConnectionPeer, unix_credentials
 from service.api.problems import PROBLEM_MEDIA_TYPE
 from service.logsafe import get_logger
 from service.settings import DaemonSettings
@@ -61,7 +61,6 @@ from service.settings import DaemonSettings
 log = get_logger(__name__)
 
 UVICORN_VERSION = "0.55.0"  # the uvicorn whose HttpToolsProtocol this module subclasses
-PEER_KEY = "weight_cache.peer"  # scope key: the connection's ConnectionPeer
 MAX_PIPELINED = 32  # requests a connection may have in the daemon's hands at once
 CHUNK_FRAMING_BYTES = 24  # a chunk's size line and CRLFs, beside max_header_bytes
 KEEP_ALIVE_S = 5  # idle keep-alive connections close after this (uvicorn's option)

@@ -7,7 +7,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from service.api.auth import CALLER_KEY
 from service.daemon import Daemon
+from service.registry.lease_holders import Caller
 
 
 async def get_daemon(request: Request) -> Daemon:
@@ -16,3 +18,13 @@ async def get_daemon(request: Request) -> Daemon:
 
 
 DaemonDep = Annotated[Daemon, Depends(get_daemon)]
+
+
+async def get_caller(request: Request) -> Caller:
+    """Who is calling, as the auth middleware proved it (``Caller.local()`` when a test or
+    embedding app runs the routes without it)."""
+    caller = request.scope.get(CALLER_KEY)
+    return caller if isinstance(caller, Caller) else Caller.local()
+
+
+CallerDep = Annotated[Caller, Depends(get_caller)]

@@ -15,9 +15,9 @@ from starlette.concurrency import run_in_threadpool
 
 from protocol.schemas.leases import LeaseGrant, LeaseInfo, LeaseRequest, RenewRequest
 from service.api.problems import problem_responses
-from service.api.routes.deps import DaemonDep
+from service.api.routes.deps import CallerDep, DaemonDep
 
-router = APIRouter(prefix="/v1/leases", tags=["leases"], responses=problem_responses(401, 422))
+router = APIRouter(prefix="/v1/leases", tags=["leases"], responses=problem_responses(401, 403, 422))
 LeaseId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]
 
 
@@ -28,9 +28,9 @@ LeaseId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]
     summary="Lease one TP rank of a model: its handles and full layout manifest",
     responses=problem_responses(404, 409, 429, 503),
 )
-async def grant(body: LeaseRequest, daemon: DaemonDep) -> Response:
+async def grant(body: LeaseRequest, daemon: DaemonDep, caller: CallerDep) -> Response:
     start = time.perf_counter()
-    granted = await run_in_threadpool(daemon.grant, body)
+    granted = await run_in_threadpool(daemon.grant, body, caller)
     # Rendered from the layout JSON made at load time (the same bytes as LeaseGrant's).
     response = Response(
         granted.render(),
@@ -42,9 +42,9 @@ async def grant(body: LeaseRequest, daemon: DaemonDep) -> Response:
     return response
 
 
-@router.get("", response_model=list[LeaseInfo], summary="Active leases")
-async def list_leases(daemon: DaemonDep) -> list[LeaseInfo]:
-    return await run_in_threadpool(daemon.list_leases)
+@router.get("", response_model=list[LeaseInfo], summary="Active leases the caller may touch")
+async def list_leases(daemon: DaemonDep, caller: CallerDep) -> list[LeaseInfo]:
+    return await run_in_threadpool(daemon.list_leases, caller)
 
 
 @router.get(
@@ -53,8 +53,8 @@ async def list_leases(daemon: DaemonDep) -> list[LeaseInfo]:
     summary="One lease",
     responses=problem_responses(404, 409, 410),
 )
-async def get_lease(lease_id: LeaseId, daemon: DaemonDep) -> LeaseInfo:
-    return await run_in_threadpool(daemon.lease, lease_id)
+async def get_lease(lease_id: LeaseId, daemon: DaemonDep, caller: CallerDep) -> LeaseInfo:
+    return await run_in_threadpool(daemon.lease, lease_id, caller)
 
 
 @router.post(
@@ -66,9 +66,10 @@ async def get_lease(lease_id: LeaseId, daemon: DaemonDep) -> LeaseInfo:
 async def renew(
     lease_id: LeaseId,
     daemon: DaemonDep,
+    caller: CallerDep,
     body: Annotated[RenewRequest | None, Body()] = None,
 ) -> LeaseInfo:
-    return await run_in_threadpool(daemon.renew, lease_id, body.ttl_s if body else None)
+    return await run_in_threadpool(daemon.renew, lease_id, body.ttl_s if body else None, caller)
 
 
 @router.delete(
@@ -77,6 +78,6 @@ async def renew(
     summary="Release a lease",
     responses=problem_responses(404, 409, 410),
 )
-async def release(lease_id: LeaseId, daemon: DaemonDep) -> Response:
-    await run_in_threadpool(daemon.release, lease_id)
+async def release(lease_id: LeaseId, daemon: DaemonDep, caller: CallerDep) -> Response:
+    await run_in_threadpool(daemon.release, lease_id, caller)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
