@@ -129,7 +129,7 @@ class Daemon:
             path = allowed_checkpoint_path(path, allowed)
             policy = allowed or policy
         return self.models.start_load(
-            path, model_id, tp_size, policy, self.arena_dir, self.identity
+            path, model_id, tp_size, policy, self.arena_dir, self.identity, limited=check_allowed
         )
 
     def model(self, model_id: str) -> ModelRecord:

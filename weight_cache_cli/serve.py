@@ -24,6 +24,7 @@ from service.env import env_names
 if TYPE_CHECKING:  # imported when the command runs: `--help` needs no pydantic
     from pydantic import ValidationError
 
+    from service.api.unix_socket import PrivateSocket
     from service.daemon import Daemon
     from service.settings import DaemonSettings
 
@@ -129,21 +130,26 @@ def build_settings(**flags: Any) -> DaemonSettings:
 
 def check_settings(settings: DaemonSettings) -> None:
     """Everything that can be known wrong before binding."""
+    from protocol.errors import ShmDirError
     from service.memory.devices import resolve_placements
+    from service.memory.shm import ArenaDir
 
     try:
         settings.check_exposure()
         settings.check_directories()
         settings.startup_models()
         resolve_placements(settings.device, settings.tp_size)
+        ArenaDir.prepare(settings.shm_dir, settings.shm_group).close()  # ours, or refused
     except ValueError as exc:
         raise SettingsError(str(exc)) from exc
+    except ShmDirError as exc:
+        raise SettingsError(f"--shm-dir: {exc.explain(cli=True)}") from exc
 
 
-def bind(settings: DaemonSettings) -> socket.socket:
+def bind(settings: DaemonSettings) -> socket.socket | PrivateSocket:
     """The listening socket, bound before any model loads; a taken address is one line."""
     if settings.uds is not None:
-        return _bind_unix(settings.uds)
+        return _bind_unix(settings.uds, settings.socket_group)
     host, port = settings.host, settings.port
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
@@ -168,7 +174,9 @@ def bind(settings: DaemonSettings) -> socket.socket:
     return sock
 
 
-def _bind_unix(path: Path) -> socket.socket:
+def _bind_unix(path: Path, group: str | None) -> PrivateSocket:
+    from service.api.unix_socket import PrivateSocket
+
     if path.exists():
         if not stat.S_ISSOCK(path.stat().st_mode):
             raise click.ClickException(f"cannot listen on {path}: it exists and is not a socket")
@@ -182,15 +190,13 @@ def _bind_unix(path: Path) -> socket.socket:
                     f"cannot listen on {path}: another process is serving on it; stop it, or "
                     "choose another --uds"
                 )
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.bind(str(path))
-        os.chmod(path, 0o666)  # as uvicorn does; the token, if any, guards the API
-        sock.listen(2048)
+        # 0600, or 0660 for --socket-group: who may open it may use the API without a token.
+        return PrivateSocket(path, group)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from exc
     except OSError as exc:
-        sock.close()
         raise click.ClickException(f"cannot listen on {path}: {exc.strerror}") from exc
-    return sock
 
 
 def _startup_failure(daemon: Daemon) -> str:
@@ -408,7 +414,8 @@ def serve(**flags: Any) -> None:
     """
     settings = build_settings(**flags)
     check_settings(settings)
-    listener = bind(settings)
+    bound = bind(settings)
+    listener = bound.sock if not isinstance(bound, socket.socket) else bound
     try:
         if not settings.models:
             settings = settings.model_copy(
@@ -420,6 +427,8 @@ def serve(**flags: Any) -> None:
         daemon = _run(settings, listener)
     finally:
         listener.close()
+        if not isinstance(bound, socket.socket):
+            bound.remove()  # the socket file goes with the daemon
     if daemon.startup_failure is not None:
         raise click.ClickException(_startup_failure(daemon))
 

@@ -36,7 +36,7 @@ def log_refusal(method: str, path: str, error: WeightCacheError) -> None:
 
 def problem_response(error: WeightCacheError, **headers: str) -> JSONResponse:
     body = error.problem_fields()
-    if isinstance(error, ModelLoadingError):
+    if isinstance(error, ModelLoadingError) or "retry_after_s" in error.extra:
         headers["Retry-After"] = str(error.extra.get("retry_after_s", 1))
     if isinstance(error, UnauthorizedError):
         headers["WWW-Authenticate"] = 'Bearer realm="weight-cache"'

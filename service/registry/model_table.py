@@ -21,6 +21,8 @@ from protocol.errors import (
     InvalidRequestError,
     ModelExistsError,
     ModelNotFoundError,
+    TooManyLoadsError,
+    TooManyModelsError,
     WeightCacheError,
 )
 from protocol.schemas.manifest import CheckpointIdentity, DaemonIdentity
@@ -125,14 +127,20 @@ class ModelTable:
         policy: PathPolicy,
         arena_dir: ArenaDir | None,
         daemon: DaemonIdentity,
+        limited: bool = False,
     ) -> ModelRecord:
-        """Register a model and load it in a worker thread (returns at once)."""
+        """Register a model and load it in a worker thread (returns at once). A ``limited``
+        load (one asked over the API) is refused past the caps on models and on loads at once:
+        each load is a thread and open files, each model a record, and a client must not be
+        able to multiply them."""
         model_id = model_id or default_model_id(path)
         try:
             placements = resolve_placements(self.settings.device, tp_size)
         except ValueError as exc:
             raise InvalidRequestError(str(exc), tp_size=tp_size) from exc
         with self.lock:
+            if limited:
+                self._check_room()
             if model_id in self.records:
                 taken = self.records[model_id]
                 raise ModelExistsError(
@@ -160,6 +168,25 @@ class ModelTable:
         self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
         return record
+
+    def _check_room(self) -> None:
+        """Refuse one more model past ``max_models``, one more load past
+        ``max_concurrent_loads`` (loads an unload overtook still count until they stop).
+        Caller holds the lock."""
+        cap = self.settings.max_models
+        if len(self.records) >= cap:
+            raise TooManyModelsError(
+                f"the daemon holds its maximum of {cap} models (failed ones count until unloaded)",
+                limit=cap,
+            )
+        loading = [r for r in self.records.values() if r.state is ModelState.loading]
+        cap = self.settings.max_concurrent_loads
+        if len(loading) + len(self._draining) >= cap:
+            raise TooManyLoadsError(
+                f"the daemon runs its maximum of {cap} loads at once",
+                limit=cap,
+                retry_after_s=min((r.retry_after_s() for r in loading), default=1),
+            )
 
     def add_failed(self, model_id: str, path: Path, tp_size: int, exc: WeightCacheError) -> None:
         """A startup model whose load could not even start: listed as failed, for /ready."""

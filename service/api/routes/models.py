@@ -27,7 +27,7 @@ async def list_models(daemon: DaemonDep) -> list[ModelInfo]:
     response_model=ModelInfo,
     status_code=status.HTTP_202_ACCEPTED,
     summary="Start loading a checkpoint (returns at once; poll the model for its state)",
-    responses=problem_responses(403, 404, 409),
+    responses=problem_responses(403, 404, 409, 429),
 )
 async def load_model(body: LoadModelRequest, response: Response, daemon: DaemonDep) -> ModelInfo:
     # Opening and checking the directory is filesystem work: never on the event loop.
