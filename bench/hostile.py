@@ -345,6 +345,8 @@ def leases_case(model: Path, work: Path) -> dict[str, Any]:
         "30000",
         "--max-leases-per-client",
         "30000",
+        "--max-leases-per-uid",
+        "30000",
         timeout_s=600,
     )
     try:
