@@ -7,12 +7,14 @@ models load, beside an API that already answers. Each failure is one line and a 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
+import signal
 import socket
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -416,21 +418,39 @@ def serve(**flags: Any) -> None:
     check_settings(settings)
     bound = bind(settings)
     listener = bound.sock if not isinstance(bound, socket.socket) else bound
-    try:
-        if not settings.models:
-            settings = settings.model_copy(
-                update={
-                    "models": [_demo_checkpoint(settings.cache_dir)],
-                    "model_id": settings.model_id or DEMO_MODEL_ID,
-                }
-            )
-        daemon = _run(settings, listener)
-    finally:
-        listener.close()
-        if not isinstance(bound, socket.socket):
-            bound.remove()  # the socket file goes with the daemon
+    with _stopping_signal_deferred():
+        try:
+            if not settings.models:
+                settings = settings.model_copy(
+                    update={
+                        "models": [_demo_checkpoint(settings.cache_dir)],
+                        "model_id": settings.model_id or DEMO_MODEL_ID,
+                    }
+                )
+            daemon = _run(settings, listener)
+        finally:
+            listener.close()
+            if not isinstance(bound, socket.socket):
+                bound.remove()  # the socket file goes with the daemon
     if daemon.startup_failure is not None:
         raise click.ClickException(_startup_failure(daemon))
+
+
+@contextlib.contextmanager
+def _stopping_signal_deferred() -> Iterator[None]:
+    """uvicorn re-raises the signal that stopped it once it has shut down, which would end
+    the process before the socket file is removed: the signal is caught meanwhile and raised
+    again after the cleanup, so the exit status still says which signal it was."""
+    caught: list[int] = []
+    stopping = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda sig, _: caught.append(sig)) for sig in stopping}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if caught:
+        signal.raise_signal(caught[0])
 
 
 def _run(settings: DaemonSettings, listener: socket.socket) -> Daemon:
