@@ -10,6 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.schemas.manifest import CheckpointDigests
+from protocol.schemas.text import PrintableStr
 
 MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
@@ -46,14 +47,14 @@ class LoadProgress(BaseModel):
 
 class ModelError(BaseModel):
     code: str
-    detail: str
-    file: str | None = None
-    tensor: str | None = None
+    detail: PrintableStr
+    file: PrintableStr | None = None
+    tensor: PrintableStr | None = None
 
 
 class ModelInfo(BaseModel):
     id: str
-    path: str
+    path: PrintableStr
     state: ModelState
     tp_size: int
     progress: LoadProgress

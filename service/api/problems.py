@@ -19,6 +19,7 @@ from protocol.errors import (
     WeightCacheError,
 )
 from protocol.schemas.problem import Problem
+from protocol.schemas.text import printable
 from service.logsafe import get_logger
 
 log = get_logger(__name__)
@@ -34,8 +35,20 @@ def log_refusal(method: str, path: str, error: WeightCacheError) -> None:
     log.log(level, "refused %s %s: %d %s: %s", method, path, error.status, error.code, error.detail)
 
 
+def _printable(value: Any) -> Any:
+    """Strings in a problem document made printable (a path's odd bytes escaped), so the
+    document always serialises."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {str(k): _printable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_printable(v) for v in value]
+    return value
+
+
 def problem_response(error: WeightCacheError, **headers: str) -> JSONResponse:
-    body = error.problem_fields()
+    body = _printable(error.problem_fields())
     if isinstance(error, ModelLoadingError) or "retry_after_s" in error.extra:
         headers["Retry-After"] = str(error.extra.get("retry_after_s", 1))
     if isinstance(error, UnauthorizedError):
