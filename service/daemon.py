@@ -125,6 +125,7 @@ class Daemon:
         (``check_allowed``) reads only below the allowed roots; a startup model anywhere."""
         policy = PathPolicy()
         if check_allowed:
+            self.models.check_room()  # before opening anything: a refusal costs no files
             allowed = api_load_policy(self.settings.allowed_roots, self.settings.follow_symlinks)
             path = allowed_checkpoint_path(path, allowed)
             policy = allowed or policy

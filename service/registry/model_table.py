@@ -169,10 +169,13 @@ class ModelTable:
         thread.start()
         return record
 
-    def _check_room(self) -> None:
+    def check_room(self) -> None:
         """Refuse one more model past ``max_models``, one more load past
-        ``max_concurrent_loads`` (loads an unload overtook still count until they stop).
-        Caller holds the lock."""
+        ``max_concurrent_loads`` (loads an unload overtook still count until they stop)."""
+        with self.lock:
+            self._check_room()
+
+    def _check_room(self) -> None:
         cap = self.settings.max_models
         if len(self.records) >= cap:
             raise TooManyModelsError(

@@ -71,9 +71,10 @@ def test_a_load_flood_is_bounded(hostile: Hostile) -> None:
     assert "too_many_models" in codes
     assert 0 < len(accepted) <= MODELS
     # Threads: the routes' worker threads (anyio's limit, 40), two loads at once and the
-    # loading pool's; files: the 16 connections, two loads' files and a few more.
+    # loading pool's; files: the 16 connections, an arena per model, two loads' checkpoint
+    # files, and a few of the runtime's.
     assert peaks["threads"] <= base_threads + ANYIO_THREADS + 2 + (os.cpu_count() or 1), peaks
-    assert peaks["fds"] <= base_fds + 16 + 2 * 8 + 16, peaks
+    assert peaks["fds"] <= base_fds + 16 + MODELS + 2 * 8 + 8, peaks
     probe.assert_answered()
 
 
