@@ -64,6 +64,7 @@ from engine_client.fallback import as_weight_cache_error, record_fallback
 from engine_client.loader_options import LoaderOptions
 from engine_client.verify import Expectations
 from modelopt_fp8.checkpoint import Fingerprint, IdentityTier, checkpoint_fingerprint
+from modelopt_fp8.checkpoint.locate import local_checkpoint
 from protocol.errors import (
     ModelNotFoundError,
     VerificationError,
@@ -353,6 +354,20 @@ def _forget_build_on_error(vllm_config: Any) -> Iterator[None]:
         raise
 
 
+def _checkpoint_dir(model_config: Any) -> Path:
+    """The directory vLLM's model name stands for: the directory itself, or a Hugging Face repo
+    id vLLM reads from the local cache (as the daemon resolves its --model), at the revision
+    vLLM was given."""
+    checkpoint = local_checkpoint(model_config.model, getattr(model_config, "revision", None))
+    if checkpoint is None:
+        raise VerificationError(
+            f"{model_config.model} is neither a local checkpoint directory nor a Hugging Face "
+            "repo in the local cache",
+            reason=Reason.not_local_checkpoint.value,
+        )
+    return checkpoint
+
+
 def _target_device(vllm_config: Any) -> torch.device:
     load_device = vllm_config.load_config.device or vllm_config.device_config.device
     device = torch.device(load_device)
@@ -422,7 +437,7 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
             chosen = [m for m in models if m.id == self.options.model]
         else:
             fingerprint = fingerprint or checkpoint_fingerprint(
-                Path(model_config.model), IdentityTier(self.options.identity)
+                _checkpoint_dir(model_config), IdentityTier(self.options.identity)
             )
             chosen = [
                 m
@@ -470,14 +485,8 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
             raise VerificationError(
                 "pipeline parallelism is not served", reason=Reason.pipeline_parallel.value
             )
-        checkpoint = Path(model_config.model)
-        if not checkpoint.is_dir():
-            raise VerificationError(
-                f"{checkpoint} is not a local checkpoint directory",
-                reason=Reason.not_local_checkpoint.value,
-            )
         return Expectations.for_checkpoint(
-            checkpoint,
+            _checkpoint_dir(model_config),
             device,
             IdentityTier(self.options.identity),
             tp_rank=get_tensor_model_parallel_rank(),

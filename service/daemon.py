@@ -25,7 +25,6 @@ from modelopt_fp8.checkpoint.opened import PathPolicy
 from protocol.checksum import storage_checksum
 from protocol.errors import (
     ArenaCorruptedError,
-    ArenaLostError,
     LeaseNotYoursError,
     ModelInUseError,
     WeightCacheError,
@@ -48,6 +47,7 @@ from service.registry.leases import Lease, LeaseEnd, LeaseTable
 from service.registry.model_table import ModelTable
 from service.registry.models import ModelRecord
 from service.registry.path_policy import allowed_checkpoint_path, api_load_policy
+from service.registry.readiness import readiness
 from service.settings import DaemonSettings
 
 log = get_logger(__name__)
@@ -341,28 +341,12 @@ class Daemon:
         )
 
     def readiness(self) -> Readiness:
-        """Ready once every startup model still asked for is ready; with ``keep_going``, once
-        each is ready or failed (the failed ones are listed, and engines fall back). A model
-        whose arena was lost counts too, whether or not it was asked for at start."""
+        """What /ready answers (:mod:`service.registry.readiness`); lost arenas are noticed
+        first, so a model whose file was removed counts as failed."""
         with self.lock:
-            held = self.models.records
-            for record in held.values():
+            for record in self.models.records.values():
                 self.models.fail_lost_arenas(record)
-            lost = [m for m, r in held.items() if isinstance(r.error, ArenaLostError)]
-            startup = self.models.startup
-            wanted = [*startup, *(m for m in lost if m not in startup)]
-            records = [held[m] for m in wanted if m in held]
-            states = {r.id: r.state for r in records}
-            failed = {
-                r.id: str(r.error) if r.error else "failed"
-                for r in records
-                if r.state is ModelState.failed
-            }
-        waiting = [m for m, s in states.items() if s is ModelState.loading]
-        blocking = bool(failed) and not self.settings.keep_going
-        return Readiness(
-            ready=not waiting and not blocking, models=states, waiting=waiting, failed=failed
-        )
+            return readiness(self.models.records.values(), self.settings.keep_going)
 
     def inventory(self) -> Inventory:
         models = self.list_models()

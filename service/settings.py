@@ -14,7 +14,16 @@ import re
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import AliasChoices, ByteSize, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    ByteSize,
+    Field,
+    SecretStr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from protocol.errors import UnauthorizedError
@@ -27,6 +36,7 @@ __all__ = ["DEFAULT_PORT", "DaemonSettings", "check_environment", "env_names", "
 
 MIN_EXPOSED_TOKEN_CHARS = 16  # for a bind other than loopback or a Unix socket
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+_BYTE_SIZE = TypeAdapter(ByteSize)
 
 
 def _env(field: str) -> AliasChoices:
@@ -156,6 +166,21 @@ class DaemonSettings(BaseSettings):
     @classmethod
     def _paths(cls, value: Any) -> Any:
         return _split_paths(value)
+
+    @field_validator("memory_budget_bytes", "max_body_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        """A size as bytes or a number and a unit, said plainly when it is neither."""
+        if isinstance(value, str):
+            text = value.strip()
+            try:
+                return _BYTE_SIZE.validate_python(text)
+            except ValidationError:
+                raise ValueError(
+                    f"{value!r} is not a size: give a byte count (1073741824) or a number and "
+                    "a unit: 40GiB, 512MiB (powers of 1024), 40GB, 512MB (powers of 1000)"
+                ) from None
+        return value
 
     @field_validator("device")
     @classmethod

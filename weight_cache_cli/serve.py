@@ -22,6 +22,7 @@ import click
 
 from protocol.version import DEFAULT_PORT
 from service.env import env_names
+from weight_cache_cli.log_options import log_options
 
 if TYPE_CHECKING:  # imported when the command runs: `--help` needs no pydantic
     from pydantic import ValidationError
@@ -407,6 +408,7 @@ def _settings_options(command: F) -> F:
 
 @click.command("serve")
 @_settings_options
+@log_options
 def serve(**flags: Any) -> None:
     """Run the daemon: bind, load the models, serve health, inventory and leases.
 

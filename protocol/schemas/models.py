@@ -16,9 +16,15 @@ MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 
 def default_model_id(path: Path) -> str:
-    """A valid model id made from a checkpoint's directory name."""
+    """A valid model id made from a checkpoint's directory name; a snapshot of the Hugging Face
+    cache (``models--Org--Name/snapshots/<revision>``) is named after its repo, ``Org--Name``
+    (the cache's own spelling of ``Org/Name``), not after the revision's hash."""
     real = Path(os.path.realpath(path))  # never raises, even on a symlink loop
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", real.name).lstrip("._-")
+    name = real.name
+    repo = real.parent.parent.name
+    if real.parent.name == "snapshots" and repo.startswith("models--"):
+        name = repo.removeprefix("models--")
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", name).lstrip("._-")
     return (name or "model")[:128]
 
 

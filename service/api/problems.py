@@ -68,6 +68,24 @@ def _allowed_methods(request: Request) -> list[str]:
     return sorted(methods)
 
 
+def _what_is_wrong(request: Request, exc: RequestValidationError) -> str:
+    """The refusal of a request the schema rejects, in words: a body that is not JSON at all
+    (where it stops parsing), or sent as something else than JSON, before field errors."""
+    errors = exc.errors()
+    bad_json = next((e for e in errors if e.get("type") == "json_invalid"), None)
+    if bad_json is not None:
+        why = (bad_json.get("ctx") or {}).get("error", "not JSON")
+        where = bad_json.get("loc", ("body", "?"))[-1]
+        return f"the body is not valid JSON: {why} at character {where}"
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    body_errors = [e for e in errors if tuple(e.get("loc", ()))[:1] == ("body",)]
+    sent_json = kind == "application/json" or kind.endswith("+json")
+    if body_errors and not sent_json:
+        said = f"says {kind}" if kind else "has no Content-Type"
+        return f"send the body as JSON with 'Content-Type: application/json' (this request {said})"
+    return "the request does not match the API schema (see errors)"
+
+
 def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses`` entries documenting problem bodies for ``statuses``."""
     return {
@@ -105,7 +123,7 @@ def install(app: FastAPI) -> None:
             }
             for e in exc.errors()
         ]
-        error = InvalidRequestError("the request does not match the API schema", errors=errors)
+        error = InvalidRequestError(_what_is_wrong(request, exc), errors=errors)
         count(request, error)
         return problem_response(error)
 
@@ -115,7 +133,10 @@ def install(app: FastAPI) -> None:
         headers = dict(getattr(exc, "headers", None) or {})
         error: WeightCacheError
         if exc.status_code == 400:  # a body the framework could not even parse
-            error = InvalidRequestError(f"malformed request: {exc.detail}")
+            detail = f"malformed request: {exc.detail}"
+            error = InvalidRequestError(
+                detail, errors=[{"loc": ["body"], "msg": str(exc.detail), "type": "malformed"}]
+            )
         elif exc.status_code == 404:
             error = NotFoundError(str(exc.detail))
         elif exc.status_code == 405:

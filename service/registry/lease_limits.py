@@ -27,8 +27,14 @@ class LeaseLimits:
 
     def checked_ttl(self, ttl_s: float) -> float:
         if ttl_s > self.settings.max_ttl_s:
+            detail = (
+                f"ttl_s {ttl_s} exceeds this daemon's maximum of {self.settings.max_ttl_s} s "
+                "(--max-ttl); ask for less, and renew"
+            )
             raise InvalidRequestError(
-                f"ttl_s {ttl_s} exceeds this daemon's maximum of {self.settings.max_ttl_s}"
+                detail,
+                errors=[{"loc": ["body", "ttl_s"], "msg": detail, "type": "less_than_equal"}],
+                limit=self.settings.max_ttl_s,
             )
         return ttl_s
 

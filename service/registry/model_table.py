@@ -137,7 +137,11 @@ class ModelTable:
         try:
             placements = resolve_placements(self.settings.device, tp_size)
         except ValueError as exc:
-            raise InvalidRequestError(str(exc), tp_size=tp_size) from exc
+            raise InvalidRequestError(
+                str(exc),
+                errors=[{"loc": ["body", "tp_size"], "msg": str(exc), "type": "value_error"}],
+                tp_size=tp_size,
+            ) from exc
         with self.lock:
             if limited:
                 self._check_room()
