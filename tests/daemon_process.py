@@ -152,6 +152,8 @@ class InProcessDaemon:
 
         self.port = free_port()
         self.app = create_app(settings.model_copy(update={"port": self.port}))  # type: ignore[attr-defined]
+        # A daemon holding no model is not ready (nothing to lend): it is up once it answers.
+        self.up_path = "/ready" if settings.models else "/health"  # type: ignore[attr-defined]
         self.daemon = self.app.state.daemon
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
@@ -163,7 +165,7 @@ class InProcessDaemon:
         deadline = time.monotonic() + 120
         while True:
             try:
-                if httpx.get(f"{self.url}/ready", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}{self.up_path}", timeout=1).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
