@@ -88,7 +88,10 @@ def start_daemon(
     wait_ready: bool = True,
     device: str = "cpu",
     timeout_s: float = 60.0,
+    tree: Path | None = None,
 ) -> DaemonProcess:
+    """``weight-cache serve`` of this checkout, or of the source tree ``tree`` (an earlier
+    build, for before/after benchmarks), on a free port; returns once it is ready."""
     port = port or free_port()
     shm_dir = shm_dir or tmp_path / "shm"
     shm_dir.mkdir(parents=True, exist_ok=True)
@@ -114,10 +117,13 @@ def start_daemon(
         **os.environ,
         "WEIGHT_CACHE_CACHE_DIR": str(tmp_path / "cache"),
         "WEIGHT_CACHE_REAPER_INTERVAL_S": "0.05",
+        **({"PYTHONPATH": str(tree)} if tree is not None else {}),
         **(env or {}),
     }
     with log.open("wb") as out:
-        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=full_env)
+        process = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=tree
+        )
     daemon = DaemonProcess(f"http://127.0.0.1:{port}", process, arena_dir_path(shm_dir), log)
     transport = httpx.HTTPTransport(uds=str(uds)) if uds else None
     poll = httpx.Client(transport=transport, base_url=daemon.url, timeout=1)
