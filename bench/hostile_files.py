@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import shutil
 import struct
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -154,15 +155,19 @@ def load_flood(target: Target, work: Path) -> Result:
     if not (src / "config.json").is_file():
         write_demo_checkpoint(src, "fp8", "tiny")
 
+    local = threading.local()
+    peak_threads = 0
+
     def post(i: int) -> int:
-        r = httpx.post(
-            f"{target.url}/v1/models", json={"path": str(src), "id": f"flood-{i}"}, timeout=60
-        )
-        return r.status_code
+        nonlocal peak_threads
+        if not hasattr(local, "client"):  # one client per attacking thread: the attacker's
+            local.client = httpx.Client(base_url=target.url, timeout=60)  # CPU is not the case
+        r = local.client.post("/v1/models", json={"path": str(src), "id": f"flood-{i}"})
+        peak_threads = max(peak_threads, len(os.listdir(f"/proc/{target.pid}/task")))
+        return int(r.status_code)
 
     with ThreadPoolExecutor(16) as pool:
         statuses = list(pool.map(post, range(300)))
-    peak_threads = len(os.listdir(f"/proc/{target.pid}/task"))
     with httpx.Client(base_url=target.url, timeout=600) as client:
         for i, status in enumerate(statuses):
             if status == 202:
@@ -170,7 +175,10 @@ def load_flood(target: Target, work: Path) -> Result:
                 client.delete(f"/v1/models/flood-{i}")
     refused = sum(s == 429 for s in statuses)
     accepted = statuses.count(202)
-    return 300, refused + accepted, f"{accepted} accepted, {refused} 429, {peak_threads} threads"
+    how = (
+        f"{accepted} accepted, {refused} refused 429, the daemon's threads peaked at {peak_threads}"
+    )
+    return 300, refused, how
 
 
 def _swap_files(weights: Path, good: Path, target: Path, stop: Any) -> None:

@@ -151,6 +151,25 @@ class ConnectionPeer:
         """Whether :meth:`credentials` answers without asking the kernel."""
         return self._credentials is not None
 
+    def resolve_quickly(
+        self, client: tuple[str, int] | None, server: tuple[str, int] | None
+    ) -> bool:
+        """Find a TCP peer's uid with the one netlink request ``sock_diag`` takes (the kernel
+        answers it while the request is sent: fine on the event loop); ``False`` when that is
+        not to be had here and :meth:`credentials` would read ``/proc/net/tcp`` instead."""
+        if self._credentials is not None:
+            return True
+        if client is None or server is None:
+            self._credentials = PeerCredentials(None, None, "tcp")
+            return True
+        try:
+            found = tcp_socket(client, server)
+        except (OSError, ValueError):
+            return False
+        uid = None if found is None else found.uid
+        self._credentials = PeerCredentials(uid, None, "tcp")
+        return True
+
     def credentials(
         self, client: tuple[str, int] | None, server: tuple[str, int] | None
     ) -> PeerCredentials:
