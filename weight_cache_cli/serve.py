@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import logging
 import os
 import signal
@@ -478,5 +479,10 @@ def _run(settings: DaemonSettings, listener: socket.socket) -> Daemon:
     host, port = listener.getsockname()[:2] if settings.uds is None else ("", 0)
     where = settings.uds or f"http://{f'[{host}]' if ':' in host else host}:{port}"
     log.info("weight-cache daemon listening on %s (device %s)", where, settings.device)
+    # The startup heap (torch, FastAPI, pydantic: hundreds of thousands of objects) goes to the
+    # permanent generation: a full collection set off by a burst of allocations (a 65,536-entry
+    # header, a request flood) then walks only what came since, instead of holding the GIL, and
+    # the event loop, for 100 ms and more. vLLM's engine does the same once it is up.
+    gc.freeze()
     server.run(sockets=[listener])
     return daemon

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -40,11 +39,6 @@ def create_app(settings: DaemonSettings, daemon: Daemon | None = None) -> FastAP
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await anyio.to_thread.run_sync(daemon.start)  # cleanup and directory work: a thread
-        # The startup heap (torch, FastAPI, pydantic: hundreds of thousands of objects) goes to
-        # the permanent generation: a full collection set off by a burst of allocations (a
-        # 65,536-entry header, a request flood) then walks only what came since, instead of
-        # holding the GIL, and the event loop, for 100 ms and more. vLLM's engine does the same.
-        gc.freeze()
         tasks = [
             asyncio.create_task(_every(interval_s, work, what))
             for interval_s, work, what in daemon.periodic_tasks()
