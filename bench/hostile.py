@@ -51,7 +51,7 @@ CASES: dict[str, Case] = {
     "num_hidden_layers 1,000,000": hostile_files.lying_config,
     "config.json 100,000 deep": hostile_files.deep_config,
     "400,000 layers, one empty tensor": hostile_files.layer_lie,
-    "76 MiB header, 1.14 M entries": hostile_files.header_bomb,
+    "59 MiB header, 1.14 M entries": hostile_files.header_bomb,
     "200,000-entry header": hostile_files.entry_bomb,
     "symlink swap race": hostile_files.symlink_race,
     "non-UTF-8 checkpoint name": hostile_files.odd_name,
@@ -142,7 +142,7 @@ def _row(
 
 # What a case needs made before it is measured (the attacker's own work).
 PREPARE = {
-    "76 MiB header, 1.14 M entries": hostile_files.prepare_bombs,
+    "59 MiB header, 1.14 M entries": hostile_files.prepare_bombs,
     "200,000-entry header": hostile_files.prepare_bombs,
 }
 

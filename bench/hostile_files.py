@@ -103,6 +103,17 @@ def layer_lie(target: Target, work: Path) -> Result:
 BOMBS = {"bomb.safetensors": 1_140_000, "entries.safetensors": 200_000}
 
 
+def _base36(n: int) -> bytes:
+    """Short distinct names, so 1.14 M entries fit in the probe's 63 MiB, as its did."""
+    digits = b"0123456789abcdefghijklmnopqrstuvwxyz"
+    out = b""
+    while True:
+        n, r = divmod(n, 36)
+        out = digits[r : r + 1] + out
+        if not n:
+            return out
+
+
 def prepare_bombs(target: Target, work: Path) -> None:
     """Write the header bombs once, before any case is measured (writing 76 MiB of JSON is
     the attacker's cost, not the daemon's)."""
@@ -112,7 +123,7 @@ def prepare_bombs(target: Target, work: Path) -> None:
         if (where / name).is_file():
             continue
         entries = b",".join(
-            b'"model.extra.%d":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}' % i
+            b'"%s":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}' % _base36(i)
             for i in range(count)
         )
         header = b"{" + entries + b"}"
@@ -127,7 +138,7 @@ def _bombed(target: Target, work: Path, name: str) -> Path:
 
 
 def header_bomb(target: Target, work: Path) -> Result:
-    """A 76 MiB header of 1.14 M zero-size entries (the probe's 63 MiB one stalled the event
+    """A 59 MiB header of 1.14 M zero-size entries (the probe's 63 MiB one stalled the event
     loop 6.8 s and kept 1 GB)."""
     path = _bombed(target, work, "bomb.safetensors")
     size = (path / "bomb.safetensors").stat().st_size
