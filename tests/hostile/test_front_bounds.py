@@ -169,19 +169,21 @@ def test_idle_connections_cannot_lock_others_out(hostile: Hostile) -> None:
     before sending anything; a newcomer is still served: the longest-idle connection makes
     way for it, as nginx reuses idle keep-alive connections when it runs out."""
     parked: list[socket.socket] = []
-    try:
-        for i in range(CAP + 8):
-            s = _connect(hostile)
-            if i % 2:
-                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-                assert s.recv(65536).startswith(b"HTTP/1.1 200")
-            parked.append(s)
-        for _ in range(3):
-            with httpx.Client(base_url=hostile.url, timeout=5) as newcomer:
-                assert newcomer.get("/health").status_code == 200
-    finally:
-        for s in parked:
-            s.close()
+    with RssBack(hostile.daemon.process.pid), HealthProbe(hostile.url) as probe:
+        try:
+            for i in range(CAP + 8):
+                s = _connect(hostile)
+                if i % 2:
+                    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                    assert s.recv(65536).startswith(b"HTTP/1.1 200")
+                parked.append(s)
+            for _ in range(3):
+                with httpx.Client(base_url=hostile.url, timeout=5) as newcomer:
+                    assert newcomer.get("/health").status_code == 200
+        finally:
+            for s in parked:
+                s.close()
+    probe.assert_answered()
 
 
 def test_connections_all_busy_are_refused_at_once(hostile: Hostile) -> None:

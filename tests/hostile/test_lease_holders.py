@@ -138,7 +138,11 @@ def test_a_neighbour_cannot_exhaust_the_table(shared: DaemonProcess) -> None:
 def test_leases_are_private_to_their_user(shared: DaemonProcess) -> None:
     """Any client could list every lease id and end or renew anyone's: now only the user that
     took a lease (or the daemon's own user, root, or a token holder) sees or touches it."""
-    with UserAgent(shared.url, NOBODY) as holder, UserAgent(shared.url, OTHER) as thief:
+    with (
+        RssBack(shared.process.pid),
+        UserAgent(shared.url, NOBODY) as holder,
+        UserAgent(shared.url, OTHER) as thief,
+    ):
         status, body = holder.request("POST", "/v1/leases", lease_body(client_pid=holder.pid))
         assert status == 201, body
         lease = body["lease"]

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from tests.hostile.conftest import Hostile
+from tests.hostile.memory import RssBack
 from tests.hostile.probe import HealthProbe
 
 ODD = b"ckpt-\xff\xfe"  # not UTF-8
@@ -39,7 +40,7 @@ def test_a_checkpoint_behind_a_non_utf8_name_keeps_every_view_answering(
     hostile: Hostile,
 ) -> None:
     link = _odd_copy(hostile)
-    with HealthProbe(hostile.url) as probe:
+    with RssBack(hostile.daemon.process.pid), HealthProbe(hostile.url) as probe:
         r = hostile.load(link, "odd")
         assert r.status_code == 202, r.text
         info = hostile.settled("odd")
