@@ -4,8 +4,10 @@ A load allocates and frees tens of megabytes of transient buffers (headers, plan
 a refused header). glibc keeps freed chunks in its heaps for reuse, and raises its ``mmap``
 threshold after freeing a large mapped block, so later large buffers come from the heap too: a
 refused 16 MiB header left 40 MB resident for good. ``malloc_trim`` gives every free page of
-every heap back to the kernel; it is called once a load ends, so what a client's checkpoint
-made the daemon allocate does not stay. Elsewhere than glibc it does nothing.
+every heap back to the kernel; it is called once a load fails or is cancelled, so what a
+client's checkpoint made the daemon allocate does not stay (a load that succeeds leaves what the
+next one reuses, and trimming every heap while requests are served costs them latency). Elsewhere
+than glibc it does nothing.
 """
 
 from __future__ import annotations

@@ -230,7 +230,10 @@ class ModelTable:
         finally:
             with self.lock:
                 self._draining.discard(record)
-            give_back_freed_memory()  # what the load's buffers took, however it ended
+            if record.state is not ModelState.ready:
+                # A failed or cancelled load (a hostile checkpoint's, say) leaves nothing the
+                # next load reuses: its buffers go back to the kernel.
+                give_back_freed_memory()
 
     def _load_into(self, record: ModelRecord, request: LoadRequest) -> None:
         log.info("loading %s from %s (tp_size %d)", record.id, record.path, record.tp_size)
