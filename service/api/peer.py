@@ -31,7 +31,7 @@ _ALL_STATES = 0xFFFFFFFF
 # wqueue, uid and inode.
 _DIAG_MSG = struct.Struct("=IIIII")
 _DIAG_OFFSET = _NLMSG_HEADER.size + 4 + 48
-_TCP_LISTEN = 10
+_TCP_ESTABLISHED, _TCP_CLOSE_WAIT, _TCP_LISTEN = 1, 8, 10
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,12 @@ class TcpSocket:
     uid: int  # its owner
     receive_queue: int  # bytes received and not yet read by its process
     send_queue: int  # bytes written and not yet acknowledged by the other end
+    state: int  # the kernel's TCP state (1 established, 8 close-wait: still held open)
+
+    @property
+    def held_open(self) -> bool:
+        """Whether its process still holds it (it has not closed its end)."""
+        return self.state in (_TCP_ESTABLISHED, _TCP_CLOSE_WAIT)
 
 
 def tcp_socket(local: tuple[str, int], remote: tuple[str, int]) -> TcpSocket | None:
@@ -96,7 +102,7 @@ def tcp_socket(local: tuple[str, int], remote: tuple[str, int]) -> TcpSocket | N
     if state == _TCP_LISTEN or dport != remote[1]:
         return None  # the kernel's lookup fell back to a listener: the connection is gone
     _, receive_queue, send_queue, uid, _ = _DIAG_MSG.unpack_from(answer, _DIAG_OFFSET)
-    return TcpSocket(uid=uid, receive_queue=receive_queue, send_queue=send_queue)
+    return TcpSocket(uid=uid, receive_queue=receive_queue, send_queue=send_queue, state=state)
 
 
 def _proc_hex(host: str, port: int) -> str:
