@@ -18,15 +18,24 @@ T = TypeVar("T", bound=BaseModel)
 
 
 def raise_for_problem(response: httpx.Response) -> None:
+    """A refusal as the typed error it names; an answer that is no problem document of the
+    API (another web server's HTML page, a proxy's error) is ``bad_response``, never
+    ``internal_error`` with the page pasted in."""
     if response.status_code < 400:
         return
     try:
         body = response.json()
     except ValueError:
-        body = {}
-    if not isinstance(body, dict):
-        body = {}
-    raise error_from_problem(body or {"detail": response.text[:500]}, response.status_code)
+        body = None
+    if not (isinstance(body, dict) and isinstance(body.get("code"), str) and body["code"]):
+        kind = response.headers.get("content-type", "no content type").split(";")[0]
+        raise BadResponseError(
+            f"HTTP {response.status_code} ({kind}) is not an answer of the weight-cache API: "
+            "something else answers at this address",
+            reason=Reason.bad_response,
+            http_status=response.status_code,
+        )
+    raise error_from_problem(body, response.status_code)
 
 
 def parse_answer(model: type[T], content: bytes) -> T:

@@ -4,6 +4,7 @@ file): chosen by the daemon and by every client under one precedence rule, and r
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -25,7 +26,33 @@ def read_token_file(path: str | Path) -> str:
         raise UnauthorizedError(f"cannot read token file {path}: {exc.strerror}") from exc
     if not token:
         raise UnauthorizedError(f"token file {path} is empty")
+    return header_safe(token, f"the token in {path}")
+
+
+def header_safe(token: str, what: str = "the token") -> str:
+    """``token`` if an HTTP header can carry it as it is (visible ASCII, no spaces), else an
+    :class:`UnauthorizedError` saying so (rather than a ``UnicodeEncodeError`` from the first
+    request that sends it)."""
+    bad = next((c for c in token if not 0x21 <= ord(c) <= 0x7E), None)
+    if bad is not None:
+        raise UnauthorizedError(
+            f"{what} holds {bad!r} (U+{ord(bad):04X}): a bearer token must be visible ASCII "
+            "without spaces, e.g. `openssl rand -hex 32`"
+        )
     return token
+
+
+def exposed_token_file(path: str | Path) -> str | None:
+    """Why the token file at ``path`` is not private to its owner and group (readable or
+    writable by every user), or ``None`` when it is."""
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & (stat.S_IROTH | stat.S_IWOTH):
+        return (
+            f"token file {path} is {'readable' if mode & stat.S_IROTH else 'writable'} by every "
+            f"user (mode {mode:04o}): `chmod o-rwx {path}` (0600, or 0640 for a group; a "
+            "Kubernetes secret volume: defaultMode 0440)"
+        )
+    return None
 
 
 TOKEN_VARIABLE = "WEIGHT_CACHE_TOKEN"
@@ -57,4 +84,6 @@ def resolve_token(
 ) -> str | None:
     """The token :func:`choose_token` picks, read from its file when it is one."""
     value, file = choose_token(token, token_file, environ)
-    return read_token_file(file) if file else value
+    if file:
+        return read_token_file(file)
+    return header_safe(value.strip()) if value and value.strip() else value

@@ -24,7 +24,7 @@ from prometheus_client import generate_latest
 from pydantic import SecretStr
 
 from modelopt_fp8.checkpoint.opened import PathPolicy
-from protocol.errors import ModelInUseError, WeightCacheError
+from protocol.errors import LeaseNotYoursError, ModelInUseError, WeightCacheError
 from protocol.schemas.health import Health, Readiness
 from protocol.schemas.inventory import Inventory
 from protocol.schemas.leases import LeaseInfo, LeaseRequest
@@ -38,8 +38,9 @@ from service.memory.shm import ArenaDir, remove_stale_files
 from service.metrics import Metrics, StateSnapshot
 from service.registry.compatibility import check_request_fits
 from service.registry.grant import Grant
+from service.registry.lease_holders import Caller, prove_holder
 from service.registry.lease_limits import LeaseLimits
-from service.registry.leases import Lease, LeaseEnd, LeaseTable, client_start
+from service.registry.leases import Lease, LeaseEnd, LeaseTable
 from service.registry.model_table import ModelTable
 from service.registry.models import ModelRecord
 from service.registry.path_policy import allowed_checkpoint_path, api_load_policy
@@ -142,11 +143,19 @@ class Daemon:
 
     def load(self, path: Path, model_id: str | None, tp_size: int) -> ModelRecord:
         """Register a model asked for over the API and load it in a worker thread (returns at
-        once); it reads only below the allowed roots."""
+        once); it reads only below the allowed roots, and is refused past the caps on models and
+        on loads at once before it opens anything."""
+        self.models.check_room()
         allowed = api_load_policy(self.settings.allowed_roots, self.settings.follow_symlinks)
         path = allowed_checkpoint_path(path, allowed)
         return self.models.start_load(
-            path, model_id, tp_size, allowed or PathPolicy(), self.arena_dir, self.identity
+            path,
+            model_id,
+            tp_size,
+            allowed or PathPolicy(),
+            self.arena_dir,
+            self.identity,
+            limited=True,
         )
 
     def model(self, model_id: str) -> ModelRecord:
@@ -187,15 +196,17 @@ class Daemon:
 
     # --- leases --------------------------------------------------------------------------------
 
-    def grant(self, req: LeaseRequest) -> Grant:
-        pid_start = client_start(req.client_pid)  # outside the lock: other grants go on
+    def grant(self, req: LeaseRequest, caller: Caller | None = None) -> Grant:
+        """A lease for ``caller`` (default: this process), tied to its holder as the kernel
+        proved it (:mod:`service.registry.lease_holders`)."""
+        holder = prove_holder(caller or Caller.local(), req.client_pid)  # /proc: outside the lock
         with self.lock:
             record = self.models.get(req.model)
             self.models.fail_lost_arenas(record)
             record.require_ready()
             check_request_fits(record, req)
             ttl = self.limits.ttl_for(req.ttl_s)
-            self.limits.check_room(self.leases, req.client_pid)
+            self.limits.check_room(self.leases, holder)
             rank = record.ranks[req.tp_rank]
             lease = self.leases.add(
                 req.model,
@@ -204,7 +215,7 @@ class Daemon:
                 req.client_pid,
                 ttl,
                 self.leases.now(),
-                pid_start,
+                holder,
             )
             try:
                 handle = rank.arena.export(self.custody.access(lease))  # fresh for every lease
@@ -221,24 +232,38 @@ class Daemon:
         """How long a grant took the API, its rendering included (a histogram)."""
         self.metrics.lease_seconds.observe(seconds)
 
-    def lease(self, lease_id: str) -> LeaseInfo:
-        with self.lock:
-            return self.leases.get(lease_id, self.leases.now()).info(self.boot_id)
+    def _held(self, lease_id: str, caller: Caller | None) -> Lease:
+        """The active lease ``lease_id``, if ``caller`` may touch it. Caller holds the lock."""
+        lease = self.leases.get(lease_id, self.leases.now())
+        if not (caller or Caller.local()).may_manage(lease.holder_uid):
+            raise LeaseNotYoursError(f"lease {lease_id} is held by another user", lease=lease_id)
+        return lease
 
-    def list_leases(self) -> list[LeaseInfo]:
+    def lease(self, lease_id: str, caller: Caller | None = None) -> LeaseInfo:
+        with self.lock:
+            return self._held(lease_id, caller).info(self.boot_id)
+
+    def list_leases(self, caller: Caller | None = None) -> list[LeaseInfo]:
+        """The active leases ``caller`` may touch (every one for a trusted caller)."""
+        caller = caller or Caller.local()
         with self.lock:
             self.leases.expire(self.leases.now())
-            return [lease.info(self.boot_id) for lease in self.leases.active.values()]
+            return [
+                lease.info(self.boot_id)
+                for lease in self.leases.active.values()
+                if caller.may_manage(lease.holder_uid)
+            ]
 
-    def renew(self, lease_id: str, ttl_s: float | None) -> LeaseInfo:
+    def renew(self, lease_id: str, ttl_s: float | None, caller: Caller | None = None) -> LeaseInfo:
         if ttl_s is not None:
             self.limits.checked_ttl(ttl_s)
         with self.lock:
+            self._held(lease_id, caller)
             return self.leases.renew(lease_id, ttl_s, self.leases.now()).info(self.boot_id)
 
-    def release(self, lease_id: str) -> None:
+    def release(self, lease_id: str, caller: Caller | None = None) -> None:
         with self.lock:
-            self.leases.get(lease_id, self.leases.now())
+            self._held(lease_id, caller)
             self.leases.end(lease_id, LeaseEnd.released)
 
     def _lease_ended(self, lease: Lease, how: LeaseEnd) -> None:

@@ -195,6 +195,17 @@ def expected_bytes(shape: DemoShape) -> int:
     return linear + embeds
 
 
+def _file_mode() -> int:
+    """The mode an ordinary new file gets here: 0666 less the process's umask."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o644
+
+
 def write_demo_checkpoint(
     out: Path,
     scheme: str = "fp8",
@@ -245,7 +256,9 @@ def write_demo_checkpoint(
             else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
         )
         weight_map.update(dict.fromkeys(names, final))
-        (out / f"part-{i:05d}.tmp").replace(out / final)
+        part = out / f"part-{i:05d}.tmp"
+        part.chmod(_file_mode())  # safetensors writes 0600; a checkpoint is for others to read
+        part.replace(out / final)
     if len(files) > 1:
         index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2))

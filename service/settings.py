@@ -35,11 +35,18 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import ByteSize, SecretStr, field_validator, model_validator
+from pydantic import (
+    ByteSize,
+    SecretStr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from protocol.errors import UnauthorizedError
-from protocol.tokens import choose_token, read_token_file
+from protocol.tokens import choose_token, exposed_token_file, header_safe, read_token_file
 from protocol.version import DEFAULT_PORT
 from service.run_dir import default_run_dir
 from service.setting import ENV_PREFIX, setting
@@ -48,6 +55,7 @@ __all__ = ["DEFAULT_PORT", "DaemonSettings"]
 
 MIN_EXPOSED_TOKEN_CHARS = 16  # for a bind other than loopback or a Unix socket
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+_BYTE_SIZE = TypeAdapter(ByteSize)
 
 
 def _split_paths(value: Any) -> Any:
@@ -178,6 +186,21 @@ class DaemonSettings(BaseSettings):
     max_leases_per_client: int = setting(
         256, flag="--max-leases-per-client", help="Most active leases of one client PID", ge=1
     )
+    max_leases_per_uid: int = setting(
+        1024,
+        flag="--max-leases-per-uid",
+        help="Most active leases of one user, so one user cannot take the others' room",
+        ge=1,
+    )
+    max_models: int = setting(
+        64, flag="--max-models", help="Most models registered at once, failed ones included", ge=1
+    )
+    max_concurrent_loads: int = setting(
+        4,
+        flag="--max-concurrent-loads",
+        help="Most loads running at once; POST /v1/models beyond is refused with 429",
+        ge=1,
+    )
     max_connections: int = setting(
         256,
         flag="--max-connections",
@@ -251,6 +274,18 @@ class DaemonSettings(BaseSettings):
         "starts one (detached) if none answers on <run-dir>/keeper.sock, external requires one "
         "(`weight-cache keeper`, e.g. a sidecar), off frees them with the daemon",
     )
+    socket_group: str | None = setting(
+        None,
+        flag="--socket-group",
+        help="Group that may use the --uds socket (mode 0660)",
+        shown="the daemon's user only, 0600",
+    )
+    trust_local_users: bool = setting(
+        False,
+        flag="--trust-local-users",
+        help="Without a token, serve every local user over loopback TCP",
+        shown="only the daemon's user and root; others use the Unix socket or the token",
+    )
 
     def __init__(self, **values: Any) -> None:
         """The token is chosen here, by :func:`protocol.tokens.choose_token` as clients choose
@@ -266,6 +301,21 @@ class DaemonSettings(BaseSettings):
     @classmethod
     def _paths(cls, value: Any) -> Any:
         return _split_paths(value)
+
+    @field_validator("memory_budget_bytes", "max_body_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        """A size as bytes or a number and a unit, said plainly when it is neither."""
+        if isinstance(value, str):
+            text = value.strip()
+            try:
+                return _BYTE_SIZE.validate_python(text)
+            except ValidationError:
+                raise ValueError(
+                    f"{value!r} is not a size: give a byte count (1073741824) or a number and "
+                    "a unit: 40GiB, 512MiB (powers of 1024), 40GB, 512MB (powers of 1000)"
+                ) from None
+        return value
 
     @field_validator("device")
     @classmethod
@@ -284,11 +334,17 @@ class DaemonSettings(BaseSettings):
                 self.token = SecretStr(read_token_file(self.token_file))
             except UnauthorizedError as exc:
                 raise ValueError(exc.detail) from exc
+            exposed = exposed_token_file(self.token_file)
+            if exposed is not None:
+                raise ValueError(exposed)
         if self.token is not None:
             value = self.token.get_secret_value().strip()
             if not value:
                 raise ValueError("the token is empty or whitespace only")
-            self.token = SecretStr(value)
+            try:
+                self.token = SecretStr(header_safe(value))
+            except UnauthorizedError as exc:
+                raise ValueError(exc.detail) from exc
         return self
 
     def startup_models(self) -> list[tuple[Path, str]]:

@@ -96,8 +96,10 @@ def start_daemon(
     timeout_s: float = 60.0,
     run_dir: Path | None = None,
     keeper: str = "off",
+    tree: Path | None = None,
 ) -> DaemonProcess:
-    """``weight-cache serve`` on ``port`` (a free one by default), its run directory
+    """``weight-cache serve`` of this checkout, or of the source tree ``tree`` (an earlier
+    build, for before/after benchmarks), on ``port`` (a free one by default), its run directory
     ``run_dir`` (default ``tmp_path/run-<port>``: a daemon started again on the same port finds
     its keeper), the keeper ``keeper`` (off by default: a test that wants one says so)."""
     port = port or free_port()
@@ -128,10 +130,13 @@ def start_daemon(
         "WEIGHT_CACHE_REAPER_INTERVAL_S": "0.05",
         "WEIGHT_CACHE_RUN_DIR": str(run_dir),
         "WEIGHT_CACHE_KEEPER": keeper,
+        **({"PYTHONPATH": str(tree)} if tree is not None else {}),
         **(env or {}),
     }
     with log.open("wb") as out:
-        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=full_env)
+        process = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=tree
+        )
     daemon = DaemonProcess(
         f"http://127.0.0.1:{port}", process, arena_dir_path(shm_dir), log, run_dir
     )
@@ -169,6 +174,8 @@ class InProcessDaemon:
 
         self.port = free_port()
         self.app = create_app(settings.model_copy(update={"port": self.port}))  # type: ignore[attr-defined]
+        # A daemon holding no model is not ready (nothing to lend): it is up once it answers.
+        self.up_path = "/ready" if settings.models else "/health"  # type: ignore[attr-defined]
         self.daemon = self.app.state.daemon
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
@@ -180,7 +187,7 @@ class InProcessDaemon:
 
         def ready() -> bool:
             try:
-                return httpx.get(f"{self.url}/ready", timeout=1).status_code == 200
+                return httpx.get(f"{self.url}{self.up_path}", timeout=1).status_code == 200
             except httpx.HTTPError:
                 return False
 

@@ -7,19 +7,25 @@ models load, beside an API that already answers. Each failure is one line and a 
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import gc
 import logging
 import os
+import signal
 import socket
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
+from weight_cache_cli.log_options import log_options
 from weight_cache_cli.settings_options import describe, environment_only, settings_options
 
 if TYPE_CHECKING:  # imported when the command runs: `--help` needs neither torch nor FastAPI
+    from service.api.unix_socket import PrivateSocket
     from service.daemon import Daemon
     from service.settings import DaemonSettings
 
@@ -87,9 +93,9 @@ def build_settings(**flags: Any) -> DaemonSettings:
 
 def check_settings(settings: DaemonSettings) -> None:
     """Everything that can be known wrong before binding."""
-    from protocol.errors import WeightCacheError
+    from protocol.errors import ShmDirError, WeightCacheError
     from service.memory.devices import resolve_placements
-    from service.memory.shm import group_id
+    from service.memory.shm import ArenaDir, group_id
     from service.run_dir import prepare_run_dir
 
     try:
@@ -97,17 +103,21 @@ def check_settings(settings: DaemonSettings) -> None:
         settings.check_directories()
         settings.startup_models()
         resolve_placements(settings.device, settings.tp_size)
-        prepare_run_dir(settings.run_dir, group_id(settings.shm_group))
+        ArenaDir.prepare(settings.shm_dir, settings.shm_group).close()  # ours, or refused
     except ValueError as exc:
         raise SettingsError(str(exc)) from exc
+    except ShmDirError as exc:
+        raise SettingsError(f"--shm-dir: {exc.explain(cli=True)}") from exc
+    try:
+        prepare_run_dir(settings.run_dir, group_id(settings.shm_group))
     except (WeightCacheError, OSError) as exc:
         raise SettingsError(f"--run-dir: {exc}") from exc
 
 
-def bind(settings: DaemonSettings) -> socket.socket:
+def bind(settings: DaemonSettings) -> socket.socket | PrivateSocket:
     """The listening socket, bound before any model loads; a taken address is one line."""
     if settings.uds is not None:
-        return _bind_unix(settings.uds)
+        return _bind_unix(settings.uds, settings.socket_group)
     host, port = settings.host, settings.port
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
@@ -132,7 +142,9 @@ def bind(settings: DaemonSettings) -> socket.socket:
     return sock
 
 
-def _bind_unix(path: Path) -> socket.socket:
+def _bind_unix(path: Path, group: str | None) -> PrivateSocket:
+    from service.api.unix_socket import PrivateSocket
+
     if path.exists():
         if not stat.S_ISSOCK(path.stat().st_mode):
             raise click.ClickException(f"cannot listen on {path}: it exists and is not a socket")
@@ -146,15 +158,13 @@ def _bind_unix(path: Path) -> socket.socket:
                     f"cannot listen on {path}: another process is serving on it; stop it, or "
                     "choose another --uds"
                 )
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.bind(str(path))
-        os.chmod(path, 0o666)  # as uvicorn does; the token, if any, guards the API
-        sock.listen(2048)
+        # 0600, or 0660 for --socket-group: who may open it may use the API without a token.
+        return PrivateSocket(path, group)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from exc
     except OSError as exc:
-        sock.close()
         raise click.ClickException(f"cannot listen on {path}: {exc.strerror}") from exc
-    return sock
 
 
 def _startup_failure(daemon: Daemon) -> str:
@@ -168,6 +178,7 @@ def _startup_failure(daemon: Daemon) -> str:
 
 @click.command("serve", epilog=environment_only())
 @settings_options
+@log_options
 def serve(**flags: Any) -> None:
     """Run the daemon: bind, load the models, serve health, inventory and leases.
 
@@ -177,20 +188,41 @@ def serve(**flags: Any) -> None:
     """
     settings = build_settings(**flags)
     check_settings(settings)
-    listener = bind(settings)
-    try:
-        if not settings.models:
-            settings = settings.model_copy(
-                update={
-                    "models": [_demo_checkpoint(settings.cache_dir)],
-                    "model_id": settings.model_id or DEMO_MODEL_ID,
-                }
-            )
-        daemon = _run(settings, listener)
-    finally:
-        listener.close()
+    bound = bind(settings)
+    listener = bound.sock if not isinstance(bound, socket.socket) else bound
+    with _stopping_signal_deferred():
+        try:
+            if not settings.models:
+                settings = settings.model_copy(
+                    update={
+                        "models": [_demo_checkpoint(settings.cache_dir)],
+                        "model_id": settings.model_id or DEMO_MODEL_ID,
+                    }
+                )
+            daemon = _run(settings, listener)
+        finally:
+            listener.close()
+            if not isinstance(bound, socket.socket):
+                bound.remove()  # the socket file goes with the daemon
     if daemon.startup_failure is not None:
         raise click.ClickException(_startup_failure(daemon))
+
+
+@contextlib.contextmanager
+def _stopping_signal_deferred() -> Iterator[None]:
+    """uvicorn re-raises the signal that stopped it once it has shut down, which would end
+    the process before the socket file is removed: the signal is caught meanwhile and raised
+    again after the cleanup, so the exit status still says which signal it was."""
+    caught: list[int] = []
+    stopping = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda sig, _: caught.append(sig)) for sig in stopping}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if caught:
+        signal.raise_signal(caught[0])
 
 
 def _run(settings: DaemonSettings, listener: socket.socket) -> Daemon:
@@ -221,5 +253,10 @@ def _run(settings: DaemonSettings, listener: socket.socket) -> Daemon:
     host, port = listener.getsockname()[:2] if settings.uds is None else ("", 0)
     where = settings.uds or f"http://{f'[{host}]' if ':' in host else host}:{port}"
     log.info("weight-cache daemon listening on %s (device %s)", where, settings.device)
+    # The startup heap (torch, FastAPI, pydantic: hundreds of thousands of objects) goes to the
+    # permanent generation: a full collection set off by a burst of allocations (a 65,536-entry
+    # header, a request flood) then walks only what came since, instead of holding the GIL, and
+    # the event loop, for 100 ms and more. vLLM's engine does the same once it is up.
+    gc.freeze()
     server.run(sockets=[listener])
     return daemon

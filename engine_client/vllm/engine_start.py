@@ -21,6 +21,7 @@ from vllm.distributed import get_tensor_model_parallel_world_size
 from engine_client.client import ClientConfig, DaemonClient
 from engine_client.verify import CheckpointIdentity
 from modelopt_fp8.checkpoint import Fingerprint, IdentityTier
+from modelopt_fp8.checkpoint.locate import local_checkpoint as locate_local_checkpoint
 from protocol.errors import ModelNotFoundError, VerificationError
 from protocol.reasons import Reason
 from protocol.schemas.models import ModelInfo, ModelState
@@ -35,11 +36,16 @@ __all__ = [
 
 
 def local_checkpoint(model_config: Any) -> Path:
-    """The checkpoint directory vLLM loads (the loader serves local directories only)."""
-    checkpoint = Path(model_config.model)
-    if not checkpoint.is_dir():
+    """The checkpoint directory vLLM loads: the directory itself, or a Hugging Face repo id vLLM
+    reads from the local cache (as the daemon resolves its --model), at the revision vLLM was
+    given. The loader serves local checkpoints only."""
+    checkpoint = locate_local_checkpoint(
+        model_config.model, getattr(model_config, "revision", None)
+    )
+    if checkpoint is None:
         raise VerificationError(
-            f"{checkpoint} is not a local checkpoint directory",
+            f"{model_config.model} is neither a local checkpoint directory nor a Hugging Face "
+            "repo in the local cache",
             reason=Reason.not_local_checkpoint,
         )
     return checkpoint

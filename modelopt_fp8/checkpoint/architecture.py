@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.errors import InvalidConfigError, UnsupportedArchitectureError
+from protocol.errors import InvalidConfigError, MissingTensorError, UnsupportedArchitectureError
 
 # vLLM's ``packed_modules_mapping`` for these models.
 PACKED_MODULES: dict[str, tuple[str, ...]] = {
@@ -213,6 +213,16 @@ def kv_scale_names(dims: ModelDims) -> dict[str, tuple[str, ...]]:
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d{1,9})\.")
+# The projections every decoder layer of these architectures has (checkpoint names).
+LAYER_PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def check_dims(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
@@ -231,6 +241,24 @@ def check_dims(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: s
             file=source,
             field="num_hidden_layers",
         )
+    # Every promised layer must be there with its weights, or a single tensor named for the
+    # last layer would have a lying config planned in full. Both loops stop at the first gap,
+    # so they cost no more than the headers hold.
+    if len(layers) != found:
+        gap = next(i for i in range(found) if i not in layers)
+        raise InvalidConfigError(
+            f"config.json says num_hidden_layers is {dims.num_hidden_layers}, but the safetensors "
+            f"headers hold no tensor of layer {gap} (they name {len(layers)} layers)",
+            file=source,
+            field="num_hidden_layers",
+        )
+    for i in range(found):
+        for projection in LAYER_PROJECTIONS:
+            name = f"model.layers.{i}.{projection}.weight"
+            if name not in shapes:
+                raise MissingTensorError(
+                    "a linear layer's weight is not in the checkpoint", tensor=name
+                )
     attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
 
     def dims_of(*names_axes: tuple[str, int]) -> set[int]:

@@ -25,15 +25,35 @@ def hub_cache(environ: Mapping[str, str] | None = None) -> Path:
     return base / "huggingface" / "hub"
 
 
-def cached_snapshot(repo_id: str, environ: Mapping[str, str] | None = None) -> Path | None:
-    """The snapshot ``refs/main`` names in the local cache, if it was downloaded."""
+def cached_snapshot(
+    repo_id: str, environ: Mapping[str, str] | None = None, revision: str | None = None
+) -> Path | None:
+    """The snapshot of ``revision`` (a branch or tag the cache has a ref for, or a commit
+    hash; default ``main``) in the local cache, if it was downloaded."""
     repo = hub_cache(environ) / f"models--{repo_id.replace('/', '--')}"
+    ref = revision or "main"
     try:
-        revision = (repo / "refs" / "main").read_text(encoding="utf-8").strip()
-    except OSError:
+        commit = (repo / "refs" / ref).read_text(encoding="utf-8").strip()
+    except (OSError, ValueError):
+        commit = ref if revision else ""  # a commit hash names its snapshot directly
+    if not commit or "/" in commit or commit in (".", ".."):
         return None
-    snapshot = repo / "snapshots" / revision
-    return snapshot if revision and (snapshot / "config.json").is_file() else None
+    snapshot = repo / "snapshots" / commit
+    return snapshot if (snapshot / "config.json").is_file() else None
+
+
+def local_checkpoint(
+    spec: str, revision: str | None = None, environ: Mapping[str, str] | None = None
+) -> Path | None:
+    """The local directory a model name stands for, as vLLM resolves it without downloading:
+    the directory itself, or a cached snapshot of a Hugging Face repo id; ``None`` if neither.
+    The engine finds the checkpoint it compares a lease with this way."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if REPO_ID.match(spec) and not path.exists():
+        return cached_snapshot(spec, environ, revision)
+    return None
 
 
 def locate_checkpoint(spec: str | Path, environ: Mapping[str, str] | None = None) -> Path:

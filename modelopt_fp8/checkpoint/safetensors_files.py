@@ -11,7 +11,6 @@ checkpoint fingerprint.
 
 from __future__ import annotations
 
-import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +18,15 @@ from typing import Any
 
 import torch
 
+from modelopt_fp8.checkpoint.header_json import HeaderJsonError, header_entries
 from modelopt_fp8.checkpoint.opened import CheckpointDir, OpenedFile, parse_json_object
 from protocol.errors import CorruptFileError, InvalidConfigError, MissingTensorError
 
 INDEX_FILE = "model.safetensors.index.json"
-# Larger than any real header (a 70B model's is ~100 KB); bounds what a lying length can cost.
-MAX_HEADER_BYTES = 64 * 1024 * 1024
+# Far larger than any real header (a 70B model's is ~100 KB, a dense model lists a few thousand
+# tensors): they bound what a lying header can cost to parse and hold, per file and in all.
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+MAX_TENSORS = 65_536
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
@@ -86,55 +88,85 @@ def _shape(raw: Any) -> tuple[int, ...] | None:
     return tuple(raw)
 
 
-def parse_header(file: OpenedFile, raw: bytes) -> dict[str, TensorInfo]:
-    """Every tensor the header describes, validated against the file's size."""
+def parse_header(
+    file: OpenedFile, raw: bytes, max_tensors: int = MAX_TENSORS
+) -> dict[str, TensorInfo]:
+    """Every tensor the header describes (at most ``max_tensors``), validated against the
+    file's size. The header is parsed an entry at a time (:mod:`header_json`), so a huge one
+    neither holds the GIL nor memory past the bound."""
     where = str(file.path)
+    data_start = 8 + len(raw)
+    spans: list[tuple[int, int, str]] = []
+    infos: dict[str, TensorInfo] = {}
+    seen_metadata = False
+    refused = None
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CorruptFileError(
-            f"header is not valid JSON: {type(exc).__name__}", file=where
-        ) from exc
-    if not isinstance(header, dict):
-        raise CorruptFileError("header is not a JSON object", file=where)
-    metadata = header.pop("__metadata__", None)
-    if metadata is not None and not (
+        for name, entry in header_entries(raw, max_tensors + 1):  # + __metadata__
+            if name == "__metadata__" and not seen_metadata:
+                seen_metadata = True
+                _check_metadata(entry, where)
+                continue
+            if name in infos or name == "__metadata__":
+                raise CorruptFileError("header names this tensor twice", file=where, tensor=name)
+            info = _entry_info(file, name, entry, data_start)
+            spans.append((info.offset - data_start, info.offset - data_start + info.nbytes, name))
+            infos[name] = info
+            if len(infos) > max_tensors:
+                raise HeaderJsonError(f"header lists more than {max_tensors} tensors")
+    except HeaderJsonError as exc:
+        refused = str(exc)
+    if refused is not None:
+        # Raised outside the handler: the error a model keeps must not chain to a traceback
+        # holding everything parsed so far.
+        del infos, spans
+        raise CorruptFileError(refused, file=where)
+    _check_tiling(spans, data_start, file)
+    return infos
+
+
+def _check_metadata(metadata: Any, where: str) -> None:
+    if not (
         isinstance(metadata, dict)
         and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
     ):
         raise CorruptFileError("__metadata__ must map strings to strings", file=where)
-    data_start = 8 + len(raw)
-    spans: list[tuple[int, int, str]] = []
-    infos: dict[str, TensorInfo] = {}
-    for name, entry in header.items():
-        if not isinstance(entry, dict):
-            raise CorruptFileError("header entry is not an object", file=where, tensor=name)
-        dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
-        if dtype is None:
-            raise CorruptFileError(
-                f"unsupported safetensors dtype {str(entry.get('dtype'))[:32]!r}",
-                file=where,
-                tensor=name,
-            )
-        shape = _shape(entry.get("shape"))
-        offsets = _shape(entry.get("data_offsets"))
-        if shape is None or offsets is None or len(offsets) != 2 or offsets[0] > offsets[1]:
-            raise CorruptFileError(
-                "shape or data_offsets are not lists of non-negative integers (data offsets "
-                "must be [start, end])",
-                file=where,
-                tensor=name,
-            )
-        info = TensorInfo(name, file.path, dtype, shape, data_start + offsets[0])
-        if info.nbytes != offsets[1] - offsets[0]:
-            raise CorruptFileError(
-                f"shape {list(shape)} of {dtype} needs {info.nbytes} bytes but its data "
-                f"offsets span {offsets[1] - offsets[0]}",
-                file=where,
-                tensor=name,
-            )
-        spans.append((offsets[0], offsets[1], name))
-        infos[name] = info
+
+
+def _entry_info(file: OpenedFile, name: str, entry: Any, data_start: int) -> TensorInfo:
+    """One header entry as a :class:`TensorInfo`, its size checked against its offsets."""
+    where = str(file.path)
+    if not isinstance(entry, dict):
+        raise CorruptFileError("header entry is not an object", file=where, tensor=name)
+    dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
+    if dtype is None:
+        raise CorruptFileError(
+            f"unsupported safetensors dtype {str(entry.get('dtype'))[:32]!r}",
+            file=where,
+            tensor=name,
+        )
+    shape = _shape(entry.get("shape"))
+    offsets = _shape(entry.get("data_offsets"))
+    if shape is None or offsets is None or len(offsets) != 2 or offsets[0] > offsets[1]:
+        raise CorruptFileError(
+            "shape or data_offsets are not lists of non-negative integers (data offsets "
+            "must be [start, end])",
+            file=where,
+            tensor=name,
+        )
+    info = TensorInfo(name, file.path, dtype, shape, data_start + offsets[0])
+    if info.nbytes != offsets[1] - offsets[0]:
+        raise CorruptFileError(
+            f"shape {list(shape)} of {dtype} needs {info.nbytes} bytes but its data "
+            f"offsets span {offsets[1] - offsets[0]}",
+            file=where,
+            tensor=name,
+        )
+    return info
+
+
+def _check_tiling(spans: list[tuple[int, int, str]], data_start: int, file: OpenedFile) -> None:
+    """The tensors' data must cover the file after the header exactly, without overlap."""
+    where = str(file.path)
     end = 0
     for start, stop, name in sorted(spans):
         if start != end:
@@ -150,7 +182,6 @@ def parse_header(file: OpenedFile, raw: bytes) -> dict[str, TensorInfo]:
             "after the header (truncated or padded)",
             file=where,
         )
-    return infos
 
 
 def weight_files(directory: CheckpointDir) -> tuple[list[OpenedFile], dict[str, str] | None]:
@@ -210,7 +241,7 @@ def index_tensors(
     headers: dict[str, bytes] = {}
     for file in files:
         raw = read_header(file)
-        infos = parse_header(file, raw)
+        infos = parse_header(file, raw, MAX_TENSORS - len(tensors))
         headers[file.name] = raw
         for name, info in infos.items():
             if name in tensors:

@@ -9,11 +9,18 @@ engine-side client turns such a body back into the same class through
 :func:`error_from_problem`, so both sides raise the same types.
 
 Families: ``base`` (the base, an unexpected failure, and the registry of codes), ``requests``
-(what the API refuses as a request), ``models`` (the models held and their memory), ``leases``,
-``checkpoints``, ``engine`` (reaching the daemon, verifying and using a lease) and ``parking``
-(parked engines and start-up slots).
+(what the API refuses as a request), ``access`` (who may call, and whose leases), ``models``
+(the models held and their memory), ``leases``, ``checkpoints``, ``engine`` (reaching the
+daemon, verifying and using a lease) and ``parking`` (parked engines and start-up slots).
 """
 
+from protocol.errors.access import (
+    ClientNotVisibleError,
+    ClientNotYoursError,
+    ForbiddenError,
+    LeaseNotYoursError,
+    PeerNotAllowedError,
+)
 from protocol.errors.base import WeightCacheError, error_classes, error_from_problem
 from protocol.errors.checkpoints import (
     CheckpointError,
@@ -49,6 +56,7 @@ from protocol.errors.leases import (
     LeaseNotFoundError,
     TooManyClientLeasesError,
     TooManyLeasesError,
+    TooManyUserLeasesError,
 )
 from protocol.errors.models import (
     ArenaCorruptedError,
@@ -64,6 +72,8 @@ from protocol.errors.models import (
     ModelLoadingError,
     ModelNotFoundError,
     ShmDirError,
+    TooManyLoadsError,
+    TooManyModelsError,
 )
 from protocol.errors.parking import (
     NothingParkedError,
@@ -95,11 +105,14 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointUnreadableError",
+    "ClientNotVisibleError",
+    "ClientNotYoursError",
     "ConflictError",
     "CorruptFileError",
     "CudaDriverError",
     "DaemonRestartedError",
     "DaemonUnavailableError",
+    "ForbiddenError",
     "HandleRefusedError",
     "HeadersTooLargeError",
     "InsufficientMemoryError",
@@ -111,6 +124,7 @@ __all__ = [
     "LayoutMismatchError",
     "LeaseExpiredError",
     "LeaseNotFoundError",
+    "LeaseNotYoursError",
     "MalformedRequestError",
     "MethodNotAllowedError",
     "MissingTensorError",
@@ -128,6 +142,7 @@ __all__ = [
     "PathNotAllowedError",
     "PathTooLongError",
     "PayloadTooLargeError",
+    "PeerNotAllowedError",
     "PermissionDeniedError",
     "RequestTimeoutError",
     "ShmDirError",
@@ -140,7 +155,10 @@ __all__ = [
     "TooManyClientParkedError",
     "TooManyConnectionsError",
     "TooManyLeasesError",
+    "TooManyLoadsError",
+    "TooManyModelsError",
     "TooManyParkedError",
+    "TooManyUserLeasesError",
     "UnauthorizedError",
     "UnsupportedArchitectureError",
     "UnsupportedQuantAlgoError",

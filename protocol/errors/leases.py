@@ -41,3 +41,9 @@ class TooManyClientLeasesError(TooManyLeasesError):
     code = "too_many_client_leases"
     title = "Too many active leases for this client process"
     hint = "release this process's leases (--max-leases-per-client raises the cap)"
+
+
+class TooManyUserLeasesError(TooManyLeasesError):
+    code = "too_many_user_leases"
+    title = "Too many active leases for this user"
+    hint = "release this user's leases (--max-leases-per-uid raises the cap)"

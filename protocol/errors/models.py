@@ -125,3 +125,23 @@ class KeeperUnavailableError(WeightCacheError):
         "start `weight-cache keeper` on the same --run-dir (or use --keeper auto), and stop any "
         "other daemon using that keeper"
     )
+
+
+class TooManyModelsError(WeightCacheError):
+    code = "too_many_models"
+    status = 429
+    title = "Too many models registered"
+    hint = (
+        "unload models you no longer need, failed ones included (DELETE /v1/models/{id}; "
+        "--max-models raises the cap)"
+    )
+
+
+class TooManyLoadsError(WeightCacheError):
+    code = "too_many_loads"
+    status = 429
+    title = "Too many loads at once"
+    hint = (
+        "retry after `Retry-After` seconds, once a load has finished (--max-concurrent-loads "
+        "raises the cap)"
+    )

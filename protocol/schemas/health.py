@@ -16,12 +16,13 @@ class Health(BaseModel):
 
 
 class Readiness(BaseModel):
+    """Ready: at least one model held, none loading, none failed (failed ones do not block
+    with --keep-going)."""
+
     ready: bool
-    models: dict[str, ModelState] = Field(
-        description="every model asked for at start and not unloaded since, and any whose "
-        "arena was lost"
-    )
-    waiting: list[str] = Field(description="still loading")
+    models: dict[str, ModelState] = Field(description="every model the daemon holds")
+    waiting: list[str] = Field(description="still loading (asked for at start or over the API)")
     failed: dict[str, str] = Field(
         description="model id -> why it failed (blocks readiness unless --keep-going)"
     )
+    reason: str | None = Field(default=None, description="why not ready (null when ready)")

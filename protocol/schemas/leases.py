@@ -42,8 +42,18 @@ class LeaseInfo(BaseModel):
     model: str
     tp_rank: int
     tp_size: int
-    client_pid: int
-    pid_watched: bool = Field(description="whether the daemon can see the PID to reap it")
+    client_pid: int = Field(description="the process the request named")
+    holder_uid: int | None = Field(
+        default=None,
+        description="the user holding the lease, as the kernel proved it (peer credentials); "
+        "null for a remote token holder",
+    )
+    holder_pid: int | None = Field(
+        default=None,
+        description="the process whose end ends the lease (client_pid, or the Unix-socket peer "
+        "that asked); null when it is in another PID namespace (the TTL alone ends the lease)",
+    )
+    pid_watched: bool = Field(description="whether the daemon watches holder_pid to reap it")
     boot_id: str
     granted_at: float = Field(description="unix seconds")
     expires_at: float = Field(description="unix seconds")

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.dtypes import to_torch
 from protocol.schemas.layout import CarriedLayout, LayerLayout, WireDType
+from protocol.schemas.text import PrintableStr
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -71,7 +72,7 @@ class CheckpointDigests(BaseModel):
 class CheckpointIdentity(BaseModel):
     model_config = _FROZEN
 
-    path: str
+    path: PrintableStr = Field(description="where the daemon read it (odd bytes escaped)")
     fingerprint: str = Field(description="the sampled-tier digest (digests.sampled)")
     digests: CheckpointDigests
     architecture: str

@@ -11,14 +11,21 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.schemas.manifest import CheckpointDigests
 from protocol.schemas.parking import ParkedSummary
+from protocol.schemas.text import PrintableStr
 
 MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 
 def default_model_id(path: Path) -> str:
-    """A valid model id made from a checkpoint's directory name."""
+    """A valid model id made from a checkpoint's directory name; a snapshot of the Hugging Face
+    cache (``models--Org--Name/snapshots/<revision>``) is named after its repo, ``Org--Name``
+    (the cache's own spelling of ``Org/Name``), not after the revision's hash."""
     real = Path(os.path.realpath(path))  # never raises, even on a symlink loop
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", real.name).lstrip("._-")
+    name = real.name
+    repo = real.parent.parent.name
+    if real.parent.name == "snapshots" and repo.startswith("models--"):
+        name = repo.removeprefix("models--")
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", name).lstrip("._-")
     return (name or "model")[:128]
 
 
@@ -47,14 +54,14 @@ class LoadProgress(BaseModel):
 
 class ModelError(BaseModel):
     code: str
-    detail: str
-    file: str | None = None
-    tensor: str | None = None
+    detail: PrintableStr
+    file: PrintableStr | None = None
+    tensor: PrintableStr | None = None
 
 
 class ModelInfo(BaseModel):
     id: str
-    path: str
+    path: PrintableStr
     state: ModelState
     tp_size: int
     progress: LoadProgress

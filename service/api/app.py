@@ -9,11 +9,11 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 import anyio.to_thread
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 
 from protocol.version import __version__
 from service.api import problems
-from service.api.auth import require_token
+from service.api.auth import Authenticate
 from service.api.limits import BodySizeLimit
 from service.api.routes import (
     health,
@@ -78,7 +78,6 @@ def create_app(settings: DaemonSettings, daemon: Daemon | None = None) -> FastAP
     app.state.waits = waits
     problems.install(app)
     app.include_router(health.router)
-    protected = [Depends(require_token)]
     routers = (
         inventory.router,
         models.router,
@@ -87,11 +86,18 @@ def create_app(settings: DaemonSettings, daemon: Daemon | None = None) -> FastAP
         startup_slots.router,
         metrics.router,
     )
-    for router in routers:
-        app.include_router(router, dependencies=protected)
+    for router in routers:  # the Authenticate middleware guards every route but /health, /ready
+        app.include_router(router)
     app.add_middleware(
         BodySizeLimit,
         max_bytes=settings.max_body_bytes,
+        on_refuse=daemon.count_refusal,
+    )
+    # Added last, so it runs first: who may call is decided before a body is read.
+    app.add_middleware(
+        Authenticate,
+        token=lambda: daemon.token,
+        trust_local_users=settings.trust_local_users,
         on_refuse=daemon.count_refusal,
     )
     return app

@@ -19,6 +19,7 @@ from protocol.errors import (
     WeightCacheError,
 )
 from protocol.schemas.problem import Problem
+from protocol.schemas.text import printable
 from service.logsafe import get_logger
 
 log = get_logger(__name__)
@@ -34,9 +35,21 @@ def log_refusal(method: str, path: str, error: WeightCacheError) -> None:
     log.log(level, "refused %s %s: %d %s: %s", method, path, error.status, error.code, error.detail)
 
 
+def _printable(value: Any) -> Any:
+    """Strings in a problem document made printable (a path's odd bytes escaped), so the
+    document always serialises."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {str(k): _printable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_printable(v) for v in value]
+    return value
+
+
 def problem_response(error: WeightCacheError, **headers: str) -> JSONResponse:
-    body = error.problem_fields()
-    if isinstance(error, ModelLoadingError):
+    body = _printable(error.problem_fields())
+    if isinstance(error, ModelLoadingError) or "retry_after_s" in error.extra:
         headers["Retry-After"] = str(error.extra.get("retry_after_s", 1))
     if isinstance(error, UnauthorizedError):
         headers["WWW-Authenticate"] = 'Bearer realm="weight-cache"'
@@ -53,6 +66,24 @@ def _allowed_methods(request: Request) -> list[str]:
         if path_regex is not None and path_regex.match(request.url.path):
             methods.update(getattr(route, "methods", None) or ())
     return sorted(methods)
+
+
+def _what_is_wrong(request: Request, exc: RequestValidationError) -> str:
+    """The refusal of a request the schema rejects, in words: a body that is not JSON at all
+    (where it stops parsing), or sent as something else than JSON, before field errors."""
+    errors = exc.errors()
+    bad_json = next((e for e in errors if e.get("type") == "json_invalid"), None)
+    if bad_json is not None:
+        why = (bad_json.get("ctx") or {}).get("error", "not JSON")
+        where = bad_json.get("loc", ("body", "?"))[-1]
+        return f"the body is not valid JSON: {why} at character {where}"
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    body_errors = [e for e in errors if tuple(e.get("loc", ()))[:1] == ("body",)]
+    sent_json = kind == "application/json" or kind.endswith("+json")
+    if body_errors and not sent_json:
+        said = f"says {kind}" if kind else "has no Content-Type"
+        return f"send the body as JSON with 'Content-Type: application/json' (this request {said})"
+    return "the request does not match the API schema (see errors)"
 
 
 def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -92,7 +123,7 @@ def install(app: FastAPI) -> None:
             }
             for e in exc.errors()
         ]
-        error = InvalidRequestError("the request does not match the API schema", errors=errors)
+        error = InvalidRequestError(_what_is_wrong(request, exc), errors=errors)
         count(request, error)
         return problem_response(error)
 
@@ -102,7 +133,10 @@ def install(app: FastAPI) -> None:
         headers = dict(getattr(exc, "headers", None) or {})
         error: WeightCacheError
         if exc.status_code == 400:  # a body the framework could not even parse
-            error = InvalidRequestError(f"malformed request: {exc.detail}")
+            detail = f"malformed request: {exc.detail}"
+            error = InvalidRequestError(
+                detail, errors=[{"loc": ["body"], "msg": str(exc.detail), "type": "malformed"}]
+            )
         elif exc.status_code == 404:
             error = NotFoundError(str(exc.detail))
         elif exc.status_code == 405:

@@ -55,6 +55,8 @@ class KeptLease(BaseModel):
     tp_rank: int
     tp_size: int
     client_pid: int
+    holder_uid: int | None
+    holder_pid: int | None
     pid_start: int | None
     granted_at: float
     expires_at: float

@@ -64,6 +64,8 @@ def kept_lease(lease: Lease) -> KeptLease:
         tp_rank=lease.tp_rank,
         tp_size=lease.tp_size,
         client_pid=lease.client_pid,
+        holder_uid=lease.holder_uid,
+        holder_pid=lease.holder_pid,
         pid_start=lease.pid_start,
         granted_at=lease.granted_at,
         expires_at=lease.expires_at,

@@ -35,4 +35,7 @@ def check_request_fits(record: ModelRecord, req: LeaseRequest) -> None:
             mismatches=mismatches,
         )
     if req.tp_rank >= record.tp_size:
-        raise InvalidRequestError(f"tp_rank {req.tp_rank} is outside tp_size {record.tp_size}")
+        detail = f"tp_rank {req.tp_rank} is outside the model's tp_size {record.tp_size}"
+        raise InvalidRequestError(
+            detail, errors=[{"loc": ["body", "tp_rank"], "msg": detail, "type": "out_of_range"}]
+        )

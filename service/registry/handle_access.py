@@ -1,12 +1,13 @@
 """Who may have a lease's descriptors: the one decision the handle socket asks.
 
-A peer gets them only with the lease's secret (handed out with the grant), as a user the daemon
-trusts (its own, or root), and, when the kernel shows its process to the daemon, as the process
-the lease was granted to. The peer's credentials come from the kernel (``SO_PEERCRED``), not
-from the peer: its pid is 0 when it lives in a PID namespace the daemon cannot see (another
-container), and then the secret and the uid decide alone. An engine in a PID namespace nested in
-the daemon's names itself by its own pid in the lease, which ``/proc/<pid>/status`` (``NSpid``)
-relates to the pid the daemon sees.
+A peer gets them only with the lease's secret (handed out with the grant), as the lease's
+holder's user (``Lease.holder_uid``, proven when the lease was granted:
+:mod:`service.registry.lease_holders`) or a user the daemon trusts (its own, or root), and, when
+the kernel shows its process to the daemon, as the process the lease was granted to. The peer's
+credentials come from the kernel (``SO_PEERCRED``), not from the peer: its pid is 0 when it
+lives in a PID namespace the daemon cannot see (another container), and then the secret and the
+uid decide alone. An engine in a PID namespace nested in the daemon's names itself by its own
+pid in the lease, which ``/proc/<pid>/status`` (``NSpid``) relates to the pid the daemon sees.
 """
 
 from __future__ import annotations
@@ -52,8 +53,14 @@ def holder_refusal(lease: Lease, secret: str, peer: Peer, uids: frozenset[int]) 
     (The lease's holder fields are compared here and nowhere else.)"""
     if not hmac.compare_digest(lease.secret.encode(), secret.encode()):
         return "the secret is not this lease's"
-    if peer.uid not in uids:
-        return f"uid {peer.uid} is neither the daemon's user nor root"
-    if peer.pid != 0 and lease.client_pid not in pids_of(peer.pid):
-        return f"process {peer.pid} is not the lease's holder (pid {lease.client_pid})"
+    if peer.uid not in uids and peer.uid != lease.holder_uid:
+        return (
+            f"uid {peer.uid} is not the lease holder's (uid {lease.holder_uid}), the daemon's "
+            "user or root"
+        )
+    if peer.pid != 0:
+        theirs = pids_of(peer.pid)
+        if lease.client_pid not in theirs and lease.holder_pid not in theirs:
+            holder = lease.holder_pid if lease.holder_pid is not None else lease.client_pid
+            return f"process {peer.pid} is not the lease's holder (pid {holder})"
     return None

@@ -1,9 +1,16 @@
 """How long a lease may last and how many may be held: a client cannot pin memory forever or
-exhaust the lease table, and one client process cannot take every lease from the others."""
+exhaust the lease table, one user cannot take more than its share (``max_leases_per_uid``, a
+quarter of the table by default), and one process not every lease of its user."""
 
 from __future__ import annotations
 
-from protocol.errors import InvalidRequestError, TooManyClientLeasesError, TooManyLeasesError
+from protocol.errors import (
+    InvalidRequestError,
+    TooManyClientLeasesError,
+    TooManyLeasesError,
+    TooManyUserLeasesError,
+)
+from service.registry.lease_holders import Holder
 from service.registry.leases import LeaseTable
 from service.settings import DaemonSettings
 
@@ -20,24 +27,37 @@ class LeaseLimits:
 
     def checked_ttl(self, ttl_s: float) -> float:
         if ttl_s > self.settings.max_ttl_s:
+            detail = (
+                f"ttl_s {ttl_s} exceeds this daemon's maximum of {self.settings.max_ttl_s} s "
+                "(--max-ttl); ask for less, and renew"
+            )
             raise InvalidRequestError(
-                f"ttl_s {ttl_s} exceeds this daemon's maximum of {self.settings.max_ttl_s}"
+                detail,
+                errors=[{"loc": ["body", "ttl_s"], "msg": detail, "type": "less_than_equal"}],
+                limit=self.settings.max_ttl_s,
             )
         return ttl_s
 
-    def check_room(self, leases: LeaseTable, client_pid: int) -> None:
-        """Refuse one more lease past the daemon's cap or the client's (expired ones freed
-        first). Caller holds the daemon's lock."""
+    def check_room(self, leases: LeaseTable, holder: Holder) -> None:
+        """Refuse one more lease past the daemon's cap, the holder user's or its process's
+        (expired ones freed first). Caller holds the daemon's lock."""
         leases.expire(leases.now())
         cap = self.settings.max_leases
         if leases.count() >= cap:
             raise TooManyLeasesError(
                 f"the daemon holds its maximum of {cap} active leases", limit=cap
             )
+        cap = self.settings.max_leases_per_uid
+        if holder.uid is not None and leases.count_user(holder.uid) >= cap:
+            raise TooManyUserLeasesError(
+                f"uid {holder.uid} holds its maximum of {cap} active leases",
+                uid=holder.uid,
+                limit=cap,
+            )
         cap = self.settings.max_leases_per_client
-        if leases.count_client(client_pid) >= cap:
+        if holder.pid is not None and leases.count_client(holder.pid) >= cap:
             raise TooManyClientLeasesError(
-                f"client process {client_pid} holds its maximum of {cap} active leases",
-                client_pid=client_pid,
+                f"client process {holder.pid} holds its maximum of {cap} active leases",
+                client_pid=holder.pid,
                 limit=cap,
             )

@@ -1,9 +1,10 @@
 """Leases: who holds which model's memory, until when.
 
-A lease names its client PID; the reaper ends leases whose PID is gone (and whose start time no
-longer matches, so a reused PID does not keep a dead engine's lease alive) as well as those past
-their expiry. Lease ids start with the daemon's boot id, so a lease from before a restart is
-recognised as such rather than reported as unknown.
+A lease records its holder as the kernel proved it (``holder_uid``, ``holder_pid``: see
+:mod:`service.registry.lease_holders`); the reaper ends leases whose holder process is gone (and
+whose start time no longer matches, so a reused PID does not keep a dead engine's lease alive) as
+well as those past their expiry. Lease ids start with the daemon's boot id, so a lease from
+before a restart is recognised as such rather than reported as unknown.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from protocol.errors import DaemonRestartedError, LeaseExpiredError, LeaseNotFou
 from protocol.schemas.leases import LeaseInfo
 from service.logsafe import get_logger
 from service.memory.devices import process_alive, process_start
+from service.registry.lease_holders import Holder
 
 log = get_logger("service.daemon")  # the name operators filter the daemon's lines by
 
@@ -40,8 +42,10 @@ class Lease:
     model: str
     tp_rank: int
     tp_size: int
-    client_pid: int
-    pid_start: int | None  # None: the PID is not visible here (another PID namespace)
+    client_pid: int  # as the request named it
+    holder_uid: int | None  # the caller's uid as the kernel proved it (None: a remote token holder)
+    holder_pid: int | None  # the process watched for it (None: another PID namespace)
+    pid_start: int | None  # the holder process's start time (None: not watched)
     granted_at: float
     expires_at: float
     ttl_s: float
@@ -56,6 +60,8 @@ class Lease:
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
             client_pid=self.client_pid,
+            holder_uid=self.holder_uid,
+            holder_pid=self.holder_pid,
             pid_watched=self.pid_start is not None,
             boot_id=boot_id,
             granted_at=self.granted_at,
@@ -88,9 +94,9 @@ class LeaseTable:
     takes it itself, as it must let go of it while it reads ``/proc``.
 
     Every operation costs O(log n) at most: expiries sit in a heap (a renewal pushes a new
-    entry; stale ones are skipped when they surface), leases are counted per model and per
-    client PID as they come and go, and the reaper checks each distinct client PID once per
-    sweep, not each lease.
+    entry; stale ones are skipped when they surface), leases are counted per model, per holder
+    process and per holder user as they come and go, and the reaper checks each distinct holder
+    process once per sweep, not each lease.
     """
 
     def __init__(
@@ -106,7 +112,8 @@ class LeaseTable:
         self.ended: OrderedDict[str, LeaseEnd] = OrderedDict()
         self._expiries: list[tuple[float, str]] = []
         self._by_model: Counter[str] = Counter()
-        # Client PID -> its leases. All share one process start time: a lease from a reused
+        self._by_uid: Counter[int | None] = Counter()
+        # Holder PID -> its leases. All share one process start time: a lease from a reused
         # PID ends the earlier process's leases first (see add).
         self._by_pid: dict[int, set[str]] = {}
 
@@ -118,20 +125,23 @@ class LeaseTable:
         client_pid: int,
         ttl_s: float,
         now: float,
-        pid_start: int | None,
+        holder: Holder,
     ) -> Lease:
-        """A lease for ``client_pid``, whose start time (:func:`client_start`) the caller read
-        before taking the daemon's lock: no grant waits on another's ``/proc`` read."""
-        known = self._start_of(client_pid)
-        if known is not None and pid_start is not None and known != pid_start:
-            self.reap(client_pid, known)  # the PID was reused: its earlier process is gone
+        """A lease for ``holder``, proven (:func:`~service.registry.lease_holders.prove_holder`)
+        before the caller took the daemon's lock: no grant waits on another's ``/proc`` read."""
+        if holder.pid is not None:
+            known = self._start_of(holder.pid)
+            if known is not None and holder.pid_start is not None and known != holder.pid_start:
+                self.reap(holder.pid, known)  # the PID was reused: its earlier process is gone
         lease = Lease(
             id=f"{self.boot_id}.{secrets.token_hex(12)}",
             model=model,
             tp_rank=tp_rank,
             tp_size=tp_size,
             client_pid=client_pid,
-            pid_start=pid_start,
+            holder_uid=holder.uid,
+            holder_pid=holder.pid,
+            pid_start=holder.pid_start,
             granted_at=now,
             expires_at=now + ttl_s,
             ttl_s=ttl_s,
@@ -151,7 +161,9 @@ class LeaseTable:
         self.active[lease.id] = lease
         heapq.heappush(self._expiries, (lease.expires_at, lease.id))
         self._by_model[lease.model] += 1
-        self._by_pid.setdefault(lease.client_pid, set()).add(lease.id)
+        self._by_uid[lease.holder_uid] += 1
+        if lease.holder_pid is not None:
+            self._by_pid.setdefault(lease.holder_pid, set()).add(lease.id)
 
     def _start_of(self, pid: int) -> int | None:
         ids = self._by_pid.get(pid)
@@ -189,11 +201,14 @@ class LeaseTable:
             self._by_model[lease.model] -= 1
             if not self._by_model[lease.model]:
                 del self._by_model[lease.model]
-            ids = self._by_pid.get(lease.client_pid)
+            self._by_uid[lease.holder_uid] -= 1
+            if not self._by_uid[lease.holder_uid]:
+                del self._by_uid[lease.holder_uid]
+            ids = self._by_pid.get(lease.holder_pid) if lease.holder_pid is not None else None
             if ids is not None:
                 ids.discard(lease_id)
                 if not ids:
-                    del self._by_pid[lease.client_pid]
+                    del self._by_pid[lease.holder_pid]  # type: ignore[arg-type]
             self.ended[lease_id] = how
             while len(self.ended) > _REMEMBERED_ENDINGS:
                 self.ended.popitem(last=False)
@@ -206,8 +221,13 @@ class LeaseTable:
             return len(self.active)
         return self._by_model.get(model, 0)
 
-    def count_client(self, client_pid: int) -> int:
-        return len(self._by_pid.get(client_pid, ()))
+    def count_client(self, pid: int) -> int:
+        """Active leases held by process ``pid``."""
+        return len(self._by_pid.get(pid, ()))
+
+    def count_user(self, uid: int | None) -> int:
+        """Active leases held by user ``uid``."""
+        return self._by_uid.get(uid, 0)
 
     def expire(self, now: float) -> list[tuple[Lease, LeaseEnd]]:
         """End leases past their expiry: O(log n) for each one ended or renewed since."""

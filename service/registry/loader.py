@@ -208,17 +208,22 @@ def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
     )
     req.opened(identity)
     try:
-        plans = [plan_model(ckpt, req.tp_size, rank) for rank in range(req.tp_size)]
-        layouts = [pack(plan.specs) for plan in plans]
-        progress.bytes_total = sum(plan.total_bytes for plan in plans)
-        progress.tensors_total = sum(len(plan.specs) for plan in plans)
-        _check_budget(req, sum(layout.nbytes for layout in layouts))
-        processed: list[tuple[ModelPlan, Arena, dict[str, str]]] = []
-        last_log = time.monotonic()
 
         def stop() -> None:
             if progress.cancelled.is_set():
                 raise LoadCancelled(f"model {req.model_id} was unloaded while loading")
+
+        plans = []
+        for rank in range(req.tp_size):  # an unload stops the planning too
+            stop()
+            plans.append(plan_model(ckpt, req.tp_size, rank))
+        layouts = [pack(plan.specs) for plan in plans]
+        progress.bytes_total = sum(plan.total_bytes for plan in plans)
+        progress.tensors_total = sum(len(plan.specs) for plan in plans)
+        stop()
+        _check_budget(req, sum(layout.nbytes for layout in layouts))
+        processed: list[tuple[ModelPlan, Arena, dict[str, str]]] = []
+        last_log = time.monotonic()
 
         def advance(nbytes: int, ntensors: int) -> None:
             nonlocal last_log

@@ -21,6 +21,8 @@ from protocol.errors import (
     InvalidRequestError,
     ModelExistsError,
     ModelNotFoundError,
+    TooManyLoadsError,
+    TooManyModelsError,
     WeightCacheError,
 )
 from protocol.schemas.health import Readiness
@@ -29,8 +31,10 @@ from protocol.schemas.models import ModelState, default_model_id
 from service.logsafe import get_logger
 from service.memory.devices import resolve_placements
 from service.memory.shm import ArenaDir
+from service.memory.trim import give_back_freed_memory
 from service.registry.loader import LoadCancelled, LoadRequest, load_model
 from service.registry.models import ModelRecord
+from service.registry.readiness import readiness as decide_readiness
 from service.settings import DaemonSettings
 
 # The daemon's own lines (loads, failures) keep the logger name operators filter them by.
@@ -132,26 +136,12 @@ class ModelTable:
             return
 
     def readiness(self) -> Readiness:
-        """Ready once every startup model still asked for is ready; with ``keep_going``, once
-        each is ready or failed (the failed ones are listed, and engines fall back). A model
-        whose arena was lost counts too, whether or not it was asked for at start."""
+        """What /ready answers (:func:`service.registry.readiness.readiness`); lost arenas are
+        noticed first, so a model whose file was removed counts as failed."""
         with self.lock:
             for record in self.records.values():
                 self.fail_lost_arenas(record)
-            lost = [m for m, r in self.records.items() if isinstance(r.error, ArenaLostError)]
-            wanted = [*self.startup, *(m for m in lost if m not in self.startup)]
-            records = [self.records[m] for m in wanted if m in self.records]
-            states = {r.id: r.state for r in records}
-            failed = {
-                r.id: str(r.error) if r.error else "failed"
-                for r in records
-                if r.state is ModelState.failed
-            }
-        waiting = [m for m, s in states.items() if s is ModelState.loading]
-        blocking = bool(failed) and not self.settings.keep_going
-        return Readiness(
-            ready=not waiting and not blocking, models=states, waiting=waiting, failed=failed
-        )
+            return decide_readiness(self.records.values(), self.settings.keep_going)
 
     # --- loads ---------------------------------------------------------------------------------
 
@@ -186,14 +176,24 @@ class ModelTable:
         policy: PathPolicy,
         arena_dir: ArenaDir | None,
         daemon: DaemonIdentity,
+        limited: bool = False,
     ) -> ModelRecord:
-        """Register a model and load it in a worker thread (returns at once)."""
+        """Register a model and load it in a worker thread (returns at once). A ``limited``
+        load (one asked over the API) is refused past the caps on models and on loads at once:
+        each load is a thread and open files, each model a record, and a client must not be
+        able to multiply them."""
         model_id = model_id or default_model_id(path)
         try:
             placements = resolve_placements(self.settings.device, tp_size)
         except ValueError as exc:
-            raise InvalidRequestError(str(exc), tp_size=tp_size) from exc
+            raise InvalidRequestError(
+                str(exc),
+                errors=[{"loc": ["body", "tp_size"], "msg": str(exc), "type": "value_error"}],
+                tp_size=tp_size,
+            ) from exc
         with self.lock:
+            if limited:
+                self._check_room()
             if model_id in self.records:
                 taken = self.records[model_id]
                 raise ModelExistsError(
@@ -221,6 +221,28 @@ class ModelTable:
         self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
         return record
+
+    def check_room(self) -> None:
+        """Refuse one more model past ``max_models``, one more load past
+        ``max_concurrent_loads`` (loads an unload overtook still count until they stop)."""
+        with self.lock:
+            self._check_room()
+
+    def _check_room(self) -> None:
+        cap = self.settings.max_models
+        if len(self.records) >= cap:
+            raise TooManyModelsError(
+                f"the daemon holds its maximum of {cap} models (failed ones count until unloaded)",
+                limit=cap,
+            )
+        loading = [r for r in self.records.values() if r.state is ModelState.loading]
+        cap = self.settings.max_concurrent_loads
+        if len(loading) + len(self._draining) >= cap:
+            raise TooManyLoadsError(
+                f"the daemon runs its maximum of {cap} loads at once",
+                limit=cap,
+                retry_after_s=min((r.retry_after_s() for r in loading), default=1),
+            )
 
     def _opened(self, record: ModelRecord, checkpoint: CheckpointIdentity) -> None:
         with self.lock:
@@ -250,6 +272,10 @@ class ModelTable:
         finally:
             with self.lock:
                 self._draining.discard(record)
+            if record.state is not ModelState.ready:
+                # A failed or cancelled load (a hostile checkpoint's, say) leaves nothing the
+                # next load reuses: its buffers go back to the kernel.
+                give_back_freed_memory()
 
     def _load_into(self, record: ModelRecord, request: LoadRequest) -> None:
         log.info("loading %s from %s (tp_size %d)", record.id, record.path, record.tp_size)

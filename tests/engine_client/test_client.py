@@ -87,6 +87,7 @@ def test_unreachable_daemon() -> None:
 def test_typed_errors_and_unix_socket_with_token(tmp_path: Path, tiny_fp8: Path) -> None:
     sock, token = tmp_path / "d.sock", tmp_path / "token"
     token.write_text("tok-123\n")
+    token.chmod(0o600)
     daemon = start_daemon(
         tmp_path, [tiny_fp8], "--model-id", "tiny", "--token-file", str(token), uds=sock
     )

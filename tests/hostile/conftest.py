@@ -2,7 +2,8 @@
 reaper and the scrub as deployed) on 127.0.0.1, each with ``/health`` sampled throughout.
 
 Limits are set low so each bound is reached in a few requests: 32 connections, 8 KiB of
-headers, requests received within 1 s, 40 leases in all and 10 per client, a scrub every 0.2 s.
+headers, requests received within 1 s, 40 leases in all and 10 per client, 16 models and 2 loads
+at once, a scrub every 0.2 s.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ LIMITS = {
     "WEIGHT_CACHE_MAX_LEASES": "40",
     "WEIGHT_CACHE_MAX_LEASES_PER_CLIENT": "10",
     "WEIGHT_CACHE_SCRUB_INTERVAL_S": "0.2",
+    "WEIGHT_CACHE_MAX_MODELS": "16",
+    "WEIGHT_CACHE_MAX_CONCURRENT_LOADS": "2",
 }
 
 

@@ -69,27 +69,42 @@ def test_lease_caps_answer_429_with_a_code(hostile: Hostile) -> None:
     per_client = int(LIMITS["WEIGHT_CACHE_MAX_LEASES_PER_CLIENT"])
     total = int(LIMITS["WEIGHT_CACHE_MAX_LEASES"])
     granted = []
-    with HealthProbe(hostile.url) as probe:
-        for _ in range(per_client):
+    # Live processes of this user to lease for (a PID the daemon cannot see is refused).
+    others = [
+        subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        for _ in range(total // per_client)
+    ]
+    try:
+        with HealthProbe(hostile.url) as probe:
+            for _ in range(per_client):
+                r = hostile.lease()
+                assert r.status_code == 201
+                granted.append(r.json()["lease"]["id"])
+            r = hostile.lease()
+            assert r.status_code == 429 and r.json()["code"] == "too_many_client_leases"
+            assert r.json()["limit"] == per_client
+            for other in others:
+                while len(granted) < total:
+                    r = hostile.lease(client_pid=other.pid)
+                    if r.status_code == 429:
+                        assert r.json()["code"] == "too_many_client_leases"
+                        break
+                    assert r.status_code == 201, r.text
+                    granted.append(r.json()["lease"]["id"])
+            assert len(granted) == total
+            r = hostile.lease(client_pid=others[0].pid)
+            assert r.status_code == 429 and r.json()["code"] == "too_many_leases"
+            for lease in granted:
+                assert hostile.client.delete(f"/v1/leases/{lease}").status_code == 204
             r = hostile.lease()
             assert r.status_code == 201
-            granted.append(r.json()["lease"]["id"])
-        r = hostile.lease()
-        assert r.status_code == 429 and r.json()["code"] == "too_many_client_leases"
-        assert r.json()["limit"] == per_client
-        pid = 4_000_000  # PIDs of no process: not watched, still counted
-        while len(granted) < total:
-            r = hostile.lease(client_pid=pid + len(granted) // per_client)
-            assert r.status_code == 201, r.text
-            granted.append(r.json()["lease"]["id"])
-        r = hostile.lease(client_pid=pid + 1000)
-        assert r.status_code == 429 and r.json()["code"] == "too_many_leases"
-        for lease in granted:
-            assert hostile.client.delete(f"/v1/leases/{lease}").status_code == 204
-        r = hostile.lease()
-        assert r.status_code == 201
-        hostile.client.delete(f"/v1/leases/{r.json()['lease']['id']}")
-    probe.assert_answered()
+            hostile.client.delete(f"/v1/leases/{r.json()['lease']['id']}")
+        probe.assert_answered()
+    finally:
+        for other in others:
+            assert other.stdin is not None
+            other.stdin.close()
+            other.wait(30)
 
 
 def test_thousands_of_leases_of_a_dying_client(tmp_path: Path, tiny_fp8: Path) -> None:
@@ -103,6 +118,8 @@ def test_thousands_of_leases_of_a_dying_client(tmp_path: Path, tiny_fp8: Path) -
         "--max-leases",
         "100000",
         "--max-leases-per-client",
+        "100000",
+        "--max-leases-per-uid",
         "100000",
     )
     client_process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])

@@ -65,6 +65,7 @@ def test_the_cli_tells_its_user_how_to_pass_a_token(tmp_path: Path, tiny_fp8: Pa
     from tests.daemon_process import start_daemon
 
     (tmp_path / "token").write_text("secret-1\n")
+    (tmp_path / "token").chmod(0o600)  # the daemon refuses a token file others may read
     daemon = start_daemon(tmp_path, [tiny_fp8], "--token-file", str(tmp_path / "token"))
     try:
         out = subprocess.run(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,14 @@ from engine_client.client import ClientConfig
 from protocol.errors import UnauthorizedError
 from protocol.tokens import choose_token, read_token_file, resolve_token
 from service.settings import DaemonSettings
+
+
+@pytest.fixture(autouse=True)
+def private_files() -> Iterator[None]:
+    """Token files written here are 0600, as the daemon requires of them."""
+    old = os.umask(0o077)
+    yield
+    os.umask(old)
 
 
 def test_token_is_stripped(tmp_path: Path) -> None:
@@ -111,3 +121,29 @@ def test_a_given_value_counts_the_same_on_both_sides(
     daemon = DaemonSettings(**given).token
     client = ClientConfig.from_env(token=given_value).token
     assert (daemon.get_secret_value() if daemon else None) == client
+
+
+def test_a_token_file_every_user_may_read_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t"
+    path.write_text("s3cret-token\n")
+    path.chmod(0o644)
+    with pytest.raises(ValidationError, match=r"readable by every user \(mode 0644\)"):
+        DaemonSettings(token_file=path)
+    path.chmod(0o640)  # a group may read it (compose secrets, a service group)
+    assert DaemonSettings(token_file=path).token is not None
+
+
+@pytest.mark.parametrize("token", ["t\u00f6ken-0123456789abcdef", "tok en", "tok\x01en"])
+def test_a_token_no_header_can_carry_is_refused_on_both_sides(
+    tmp_path: Path, token: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-ASCII token used to crash the client with UnicodeEncodeError on its first
+    request; both sides now refuse it up front, typed, saying why."""
+    with pytest.raises(ValidationError, match="visible ASCII"):
+        DaemonSettings(token=SecretStr(token))
+    monkeypatch.setenv("WEIGHT_CACHE_TOKEN", token)
+    with pytest.raises(UnauthorizedError, match="visible ASCII"):
+        ClientConfig.from_env()
+    (tmp_path / "t").write_text(token)
+    with pytest.raises(UnauthorizedError, match="visible ASCII"):
+        read_token_file(tmp_path / "t")

@@ -196,3 +196,32 @@ def test_a_kernel_other_than_cutlass_is_refused_then_falls_back(
     import httpx
 
     assert httpx.get(f"{daemon_process.url}/v1/leases").json() == []
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_repo_id_is_found_in_the_local_hub_cache(
+    tiny_fp8: Path, tmp_path: Path, monkeypatch, cached: bool
+) -> None:
+    """vLLM given a Hugging Face repo id reads it from the local cache; the loader finds the
+    same snapshot to compare a lease with (it fell back at once with not_local_checkpoint),
+    and falls back with that reason only when the repo is not in the cache."""
+    import shutil
+
+    from engine_client.vllm.engine_start import local_checkpoint
+    from protocol.errors import VerificationError
+    from protocol.reasons import Reason
+
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "0123abcd"
+    if cached:
+        shutil.copytree(tiny_fp8, snapshot)
+        (snapshot.parent.parent / "refs").mkdir()
+        (snapshot.parent.parent / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    _, model_config = configs(tiny_fp8)
+    model_config.model = "org/tiny"  # as `vllm serve org/tiny` names it
+    if cached:
+        assert local_checkpoint(model_config) == snapshot
+    else:
+        with pytest.raises(VerificationError) as err:
+            local_checkpoint(model_config)
+        assert err.value.reason is Reason.not_local_checkpoint

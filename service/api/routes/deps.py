@@ -7,8 +7,10 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from service.api.auth import CALLER_KEY
 from service.api.waits import Waits
 from service.daemon import Daemon
+from service.registry.lease_holders import Caller
 
 
 async def get_daemon(request: Request) -> Daemon:
@@ -23,3 +25,13 @@ async def get_waits(request: Request) -> Waits:
 
 DaemonDep = Annotated[Daemon, Depends(get_daemon)]
 WaitsDep = Annotated[Waits, Depends(get_waits)]
+
+
+async def get_caller(request: Request) -> Caller:
+    """Who is calling, as the auth middleware proved it (``Caller.local()`` when a test or
+    embedding app runs the routes without it)."""
+    caller = request.scope.get(CALLER_KEY)
+    return caller if isinstance(caller, Caller) else Caller.local()
+
+
+CallerDep = Annotated[Caller, Depends(get_caller)]

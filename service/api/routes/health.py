@@ -22,8 +22,14 @@ async def health(daemon: DaemonDep) -> Health:
 @router.get(
     "/ready",
     response_model=Readiness,
-    summary="Whether every model asked for at start is ready",
-    responses={503: {"model": Readiness, "description": "Still loading, or a model failed"}},
+    summary="Ready: a model held, none loading, none failed (failed ones allowed with "
+    "--keep-going)",
+    responses={
+        503: {
+            "model": Readiness,
+            "description": "No model, a model still loading, or a model failed (`reason`)",
+        }
+    },
 )
 def ready(daemon: DaemonDep) -> JSONResponse:
     readiness = daemon.readiness()  # stats every arena file: a plain function, in a thread

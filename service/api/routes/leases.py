@@ -14,9 +14,9 @@ from fastapi import Path as PathParam
 
 from protocol.schemas.leases import LeaseGrant, LeaseInfo, LeaseRequest, RenewRequest
 from service.api.problems import problem_responses
-from service.api.routes.deps import DaemonDep
+from service.api.routes.deps import CallerDep, DaemonDep
 
-router = APIRouter(prefix="/v1/leases", tags=["leases"], responses=problem_responses(401, 422))
+router = APIRouter(prefix="/v1/leases", tags=["leases"], responses=problem_responses(401, 403, 422))
 LeaseId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]
 
 
@@ -27,9 +27,9 @@ LeaseId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]
     summary="Lease one TP rank of a model: its handles and full layout manifest",
     responses=problem_responses(404, 409, 429, 503),
 )
-def grant(body: LeaseRequest, daemon: DaemonDep) -> Response:
+def grant(body: LeaseRequest, daemon: DaemonDep, caller: CallerDep) -> Response:
     start = time.perf_counter()
-    granted = daemon.grant(body)
+    granted = daemon.grant(body, caller)
     # Rendered from the layout JSON made at load time (the same bytes as LeaseGrant's).
     response = Response(
         granted.render(),
@@ -41,9 +41,9 @@ def grant(body: LeaseRequest, daemon: DaemonDep) -> Response:
     return response
 
 
-@router.get("", response_model=list[LeaseInfo], summary="Active leases")
-def list_leases(daemon: DaemonDep) -> list[LeaseInfo]:
-    return daemon.list_leases()
+@router.get("", response_model=list[LeaseInfo], summary="Active leases the caller may touch")
+def list_leases(daemon: DaemonDep, caller: CallerDep) -> list[LeaseInfo]:
+    return daemon.list_leases(caller)
 
 
 @router.get(
@@ -52,8 +52,8 @@ def list_leases(daemon: DaemonDep) -> list[LeaseInfo]:
     summary="One lease",
     responses=problem_responses(404, 409, 410),
 )
-def get_lease(lease_id: LeaseId, daemon: DaemonDep) -> LeaseInfo:
-    return daemon.lease(lease_id)
+def get_lease(lease_id: LeaseId, daemon: DaemonDep, caller: CallerDep) -> LeaseInfo:
+    return daemon.lease(lease_id, caller)
 
 
 @router.post(
@@ -65,9 +65,10 @@ def get_lease(lease_id: LeaseId, daemon: DaemonDep) -> LeaseInfo:
 def renew(
     lease_id: LeaseId,
     daemon: DaemonDep,
+    caller: CallerDep,
     body: Annotated[RenewRequest | None, Body()] = None,
 ) -> LeaseInfo:
-    return daemon.renew(lease_id, body.ttl_s if body else None)
+    return daemon.renew(lease_id, body.ttl_s if body else None, caller)
 
 
 @router.delete(
@@ -76,6 +77,6 @@ def renew(
     summary="Release a lease",
     responses=problem_responses(404, 409, 410),
 )
-def release(lease_id: LeaseId, daemon: DaemonDep) -> Response:
-    daemon.release(lease_id)
+def release(lease_id: LeaseId, daemon: DaemonDep, caller: CallerDep) -> Response:
+    daemon.release(lease_id, caller)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -29,7 +29,7 @@ def list_models(daemon: DaemonDep) -> list[ModelInfo]:
     response_model=ModelInfo,
     status_code=status.HTTP_202_ACCEPTED,
     summary="Start loading a checkpoint (returns at once; poll the model for its state)",
-    responses=problem_responses(403, 404, 409),
+    responses=problem_responses(403, 404, 409, 429),
 )
 def load_model(body: LoadModelRequest, response: Response, daemon: DaemonDep) -> ModelInfo:
     record = daemon.load(Path(body.path), body.id, body.tp_size)

@@ -16,7 +16,13 @@ def test_health(served: Served) -> None:
 def test_ready_when_startup_models_are(served: Served) -> None:
     r = served.client.get("/ready")
     assert r.status_code == 200
-    assert r.json() == {"ready": True, "models": {"tiny": "ready"}, "waiting": [], "failed": {}}
+    assert r.json() == {
+        "ready": True,
+        "models": {"tiny": "ready"},
+        "waiting": [],
+        "failed": {},
+        "reason": None,
+    }
 
 
 def test_not_ready_when_a_startup_model_failed(serve, tiny_fp8: Path, copy_of) -> None:
@@ -39,13 +45,13 @@ def test_inventory(served: Served) -> None:
     assert served.client.get("/v1/inventory").json()["active_leases"] == 1
 
 
-def test_unloading_a_startup_model_leaves_readiness(served: Served, tiny_fp8: Path) -> None:
-    """An explicit DELETE means the model is no longer wanted: /ready stays green, and loading
-    it again under the same id works."""
+def test_a_daemon_holding_no_model_is_not_ready(served: Served, tiny_fp8: Path) -> None:
+    """Unloading the last model leaves nothing to lend: /ready says so until one is loaded
+    again under the same id."""
     assert served.client.delete("/v1/models/tiny").status_code == 204
     r = served.client.get("/ready")
-    assert r.status_code == 200
-    assert r.json() == {"ready": True, "models": {}, "waiting": [], "failed": {}}
+    assert r.status_code == 503
+    assert r.json()["models"] == {} and "no model is loaded" in r.json()["reason"]
     r = served.client.post("/v1/models", json={"path": str(tiny_fp8), "id": "tiny"})
     assert r.status_code == 202
     served.wait_ready("tiny")

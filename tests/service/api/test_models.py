@@ -120,8 +120,10 @@ def test_broken_checkpoint_fails_with_its_reason_and_holds_nothing(
         after["shm_files"] == before["shm_files"] and after["cache_bytes"] == before["cache_bytes"]
     )
     assert served.client.get("/v1/models/tiny").json()["state"] == "ready"
-    assert served.client.get("/ready").status_code == 200  # only startup models count
+    r = served.client.get("/ready")  # a failed model is not ready, wherever it came from
+    assert r.status_code == 503 and "corrupt_safetensors" in r.json()["failed"]["bad"]
     assert served.client.delete("/v1/models/bad").status_code == 204
+    assert served.client.get("/ready").status_code == 200
 
 
 def test_unload_refused_while_leased_then_frees_memory(served: Served) -> None:

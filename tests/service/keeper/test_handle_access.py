@@ -7,13 +7,15 @@ import os
 import time
 
 from service.registry.handle_access import Peer, holder_refusal, pids_of, trusted_uids
+from service.registry.lease_holders import Holder
 from service.registry.leases import LeaseTable
 
 UIDS = frozenset({1000, 0})
 
 
-def lease(pid: int):
-    return LeaseTable("b00t").add("m", 0, 1, pid, 60.0, time.time(), None)
+def lease(pid: int, uid: int | None = None):
+    holder = Holder(uid=uid, pid=pid, pid_start=None)
+    return LeaseTable("b00t").add("m", 0, 1, pid, 60.0, time.time(), holder)
 
 
 def test_the_holder_with_the_secret_may() -> None:
@@ -26,9 +28,17 @@ def test_anyone_else_may_not() -> None:
     held = lease(4242)
     assert "secret" in str(holder_refusal(held, "guess", Peer(4242, 1000, 1000), UIDS))
     assert "uid 1001" in str(holder_refusal(held, held.secret, Peer(4242, 1001, 1001), UIDS))
+    assert "uid 1002" in str(holder_refusal(held, held.secret, Peer(4242, 1002, 1002), UIDS))
     assert "not the lease's holder" in str(
         holder_refusal(held, held.secret, Peer(4243, 1000, 1000), UIDS)
     )
+
+
+def test_the_holders_own_user_may() -> None:
+    """A user the daemon does not trust holds its own lease (its uid proven at the grant)."""
+    held = lease(4242, uid=1002)
+    assert holder_refusal(held, held.secret, Peer(4242, 1002, 1002), UIDS) is None
+    assert "uid 1003" in str(holder_refusal(held, held.secret, Peer(4242, 1003, 1003), UIDS))
 
 
 def test_a_process_is_known_by_its_pid_in_every_namespace() -> None:

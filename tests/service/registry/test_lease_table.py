@@ -9,12 +9,14 @@ import sys
 import pytest
 
 from protocol.errors import DaemonRestartedError, LeaseExpiredError, LeaseNotFoundError
+from service.registry.lease_holders import Holder
 from service.registry.leases import Lease, LeaseEnd, LeaseTable, client_start
 
 
-def add(table: LeaseTable, pid: int, ttl_s: float, now: float) -> Lease:
-    """A lease of model "m", rank 0 of 1, for ``pid``, as a grant adds it."""
-    return table.add("m", 0, 1, pid, ttl_s=ttl_s, now=now, pid_start=client_start(pid))
+def add(table: LeaseTable, pid: int, ttl_s: float, now: float, uid: int = 0) -> Lease:
+    """A lease of model "m", rank 0 of 1, held by process ``pid`` of ``uid``."""
+    holder = Holder(uid=uid, pid=pid, pid_start=client_start(pid))
+    return table.add("m", 0, 1, pid, ttl_s=ttl_s, now=now, holder=holder)
 
 
 def test_expiry_and_renewal() -> None:
@@ -84,3 +86,18 @@ def test_counts_and_expiry_stay_exact_under_churn() -> None:
     assert table.count_client(4_000_000) == 1 and table.count_client(4_000_001) == 0
     assert [how for _, how in table.expire(100.0)] == [LeaseEnd.expired]
     assert table.count() == 0 and table.count("m") == 0 and table.watched() == []
+
+
+def test_leases_are_counted_per_user_and_record_their_holder() -> None:
+    table = LeaseTable("b00t")
+    mine = add(table, os.getpid(), ttl_s=10, now=0.0, uid=1000)
+    add(table, os.getpid(), ttl_s=10, now=0.0, uid=1000)
+    theirs = add(table, 4_000_000, ttl_s=10, now=0.0, uid=1001)
+    assert table.count_user(1000) == 2 and table.count_user(1001) == 1
+    assert (mine.holder_uid, mine.holder_pid) == (1000, os.getpid())
+    unwatched = table.add(
+        "m", 0, 1, 7, ttl_s=10, now=0.0, holder=Holder(uid=1002, pid=None, pid_start=None)
+    )
+    assert (unwatched.holder_uid, unwatched.holder_pid, unwatched.client_pid) == (1002, None, 7)
+    table.end(theirs.id, LeaseEnd.released)
+    assert table.count_user(1001) == 0 and table.count_user(1000) == 2

@@ -1,0 +1,157 @@
+"""Hostile HTTP clients: huge headers and trailers, half-sent requests, connection floods,
+requests pipelined without reading, idle connections parked at the cap."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.hostile_tools import Result, Target, connect, send_until_closed, status_of
+from service.api.peer import tcp_socket
+
+
+def _big_header(target: Target) -> int:
+    s = connect(target)
+    send_until_closed(s, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ", b"a" * 65536, 100 << 20)
+    status = status_of(s)
+    s.close()
+    return status
+
+
+def one_header(target: Target, work: Path) -> Result:
+    return 1, int(_big_header(target) == 431), "431 headers_too_large"
+
+
+def four_headers(target: Target, work: Path) -> Result:
+    out: list[int] = []
+    threads = [threading.Thread(target=lambda: out.append(_big_header(target))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return 4, out.count(431), "431 headers_too_large"
+
+
+def trailers(target: Target, work: Path) -> Result:
+    """A chunked body followed by a 200 MB trailer, as one unauthenticated connection (the
+    probe sent 900 MB and grew the daemon by 876 MB, kept after close)."""
+    s = connect(target)
+    head = (
+        b"POST /v1/leases HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        b"transfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-Trailer: "
+    )
+    sent = send_until_closed(s, head, b"a" * 65536, 200 << 20)
+    status = status_of(s)
+    s.close()
+    return 1, int(status == 431), f"431 after {sent >> 20} MiB of trailer sent"
+
+
+def slowloris(target: Target, work: Path) -> Result:
+    socks = [connect(target) for _ in range(200)]
+    for s in socks:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    statuses = [status_of(s) for s in socks]  # each closed by the 10 s request deadline
+    for s in socks:
+        s.close()
+    return 200, statuses.count(408), "408 request_timeout"
+
+
+def _closed_with(s: socket.socket) -> int:
+    """The status the daemon closed ``s`` with; 0 for a close without an answer, -1 when it
+    is still open (nothing within the socket's timeout)."""
+    data = b""
+    try:
+        while chunk := s.recv(65536):
+            data += chunk
+    except TimeoutError:
+        return -1
+    except OSError:
+        pass
+    try:
+        return int(data.split(b" ", 2)[1]) if data else 0
+    except (IndexError, ValueError):
+        return 0
+
+
+def connection_flood(target: Target, work: Path) -> Result:
+    """5,000 half-sent connections, 500 at a time: each is answered (503 when the oldest
+    half-sent one makes way for a newer one, or all are busy; 408 at the request deadline)."""
+    answered = tried = 0
+    for _ in range(10):
+        socks = [connect(target) for _ in range(500)]
+        tried += len(socks)
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.sendall(b"GET /he")  # half a request, never finished
+        for s in socks:
+            s.settimeout(15)
+            answered += _closed_with(s) in (0, 408, 503)  # 0: closed before it sent a byte
+        for s in socks:
+            s.close()
+    return tried, answered, "each closed: 503 or silently to make way, 408 at the deadline"
+
+
+def pipelined_unread(target: Target, work: Path) -> Result:
+    """20 connections pipeline GET /health one request per read and never read an answer
+    (the probe pinned every slot for 90 s and grew the daemon by 1 GB from 17 MB sent)."""
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    cut: list[bool] = []
+
+    def flood() -> None:
+        s = connect(target)
+        daemon_end = (s.getpeername(), s.getsockname())
+        try:
+            for _ in range(2000):
+                s.sendall(request)
+                deadline = time.monotonic() + 1
+                while time.monotonic() < deadline:  # until the daemon has read it
+                    found = tcp_socket(*daemon_end)
+                    if found is None or found.receive_queue == 0:
+                        break
+                    time.sleep(0.001)
+        except OSError:
+            cut.append(True)
+        else:  # never too far ahead: it is closed (or reset) once it idles
+
+            def held() -> bool:
+                found = tcp_socket(*daemon_end)
+                return found is not None and found.held_open
+
+            deadline = time.monotonic() + 20
+            while held() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            cut.append(not held())
+        s.close()
+
+    threads = [threading.Thread(target=flood) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return 20, cut.count(True), "closed past 32 unanswered, or once idle"
+
+
+def idle_at_cap(target: Target, work: Path) -> Result:
+    """300 idle connections parked (the cap is 256), then 50 newcomers each ask /health."""
+    parked = []
+    try:
+        for i in range(300):
+            s = connect(target)
+            if i % 2:
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                with contextlib.suppress(OSError):
+                    s.recv(65536)
+            parked.append(s)
+        served = 0
+        for _ in range(50):
+            with contextlib.suppress(httpx.HTTPError):
+                served += httpx.get(f"{target.url}/health", timeout=5).status_code == 200
+    finally:
+        for s in parked:
+            s.close()
+    return 50, served, "newcomers served while idle connections fill the cap"

@@ -1,0 +1,103 @@
+"""Who holds a lease, and who may touch it.
+
+A lease is tied to its caller as the kernel proved it (peer credentials: ``SO_PEERCRED`` on the
+Unix socket, the owner of the client's socket on loopback TCP), never to what a request body
+says alone:
+
+- The lease's process (``client_pid``) must be one the daemon can see and watch, and belong to
+  the caller's user; else it is refused (``client_not_visible``, ``client_not_yours``). Over the
+  Unix socket the kernel names the caller's process itself: a caller in another PID namespace
+  (the kernel says pid 0) holds its lease by its uid alone, unwatched (its TTL ends it), and
+  one whose ``client_pid`` is not visible holds it by the process that connected.
+- A lease is read, renewed or released, and listed, only by its holder's user or by a trusted
+  caller: one that showed the daemon's token, root, or the daemon's own user (they could read
+  its memory anyway).
+- The caps count per user as well as per process, so one user cannot take the others' room.
+
+``Holder`` is what a lease records of its caller (``Lease.holder_uid``, ``Lease.holder_pid``);
+the daemon's handle socket hands file descriptors only to a live lease's holder by the same
+record (:func:`service.registry.handle_access.holder_refusal`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from protocol.errors import ClientNotVisibleError, ClientNotYoursError
+from service.memory.devices import process_start
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request, as far as the kernel and the token prove it."""
+
+    uid: int | None  # None: not known (a remote peer behind the token)
+    pid: int | None  # a process in the daemon's PID namespace (Unix socket peers only)
+    token: bool = False  # showed the daemon's token
+    via: str = "tcp"  # "unix", "tcp", or "local" (no socket: the daemon's own process)
+
+    @classmethod
+    def local(cls) -> Caller:
+        """This process itself (a call that came through no socket)."""
+        return cls(uid=os.geteuid(), pid=os.getpid(), via="local")
+
+    @property
+    def trusted(self) -> bool:
+        """May act on every lease: a token holder, root, or the daemon's own user."""
+        return self.token or self.uid in (0, os.geteuid())
+
+    def may_manage(self, holder_uid: int | None) -> bool:
+        """Whether this caller may read, renew or release a lease held by ``holder_uid``."""
+        return self.trusted or (self.uid is not None and self.uid == holder_uid)
+
+
+@dataclass(frozen=True)
+class Holder:
+    """What a lease records of its caller."""
+
+    uid: int | None  # the caller's proven uid
+    pid: int | None  # the process watched for the lease (None: not visible, TTL only)
+    pid_start: int | None  # that process's start time, to tell it from a later reuse
+
+    @property
+    def watched(self) -> bool:
+        return self.pid is not None and self.pid_start is not None
+
+
+def _visible(pid: int) -> tuple[int, int] | None:
+    """(owner uid, start time) of a live process the daemon can see, else ``None``."""
+    try:
+        owner = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+    started = process_start(pid)
+    if started is None or started[1] in ("Z", "X"):
+        return None
+    return owner, started[0]
+
+
+def prove_holder(caller: Caller, client_pid: int) -> Holder:
+    """The holder a lease for ``client_pid`` asked by ``caller`` records, or the typed refusal.
+    Blocking (reads ``/proc``): call it outside the daemon's lock."""
+    if caller.via == "unix" and caller.pid is None:
+        # The kernel said pid 0: the caller lives in another PID namespace, and client_pid is a
+        # number of that namespace. Its uid is proven; nothing here can watch its process.
+        return Holder(uid=caller.uid, pid=None, pid_start=None)
+    seen = _visible(client_pid)
+    if seen is None and caller.via == "unix" and caller.pid is not None:
+        client_pid, seen = caller.pid, _visible(caller.pid)  # the process that connected
+    if seen is None:
+        raise ClientNotVisibleError(
+            f"client_pid {client_pid} is not a process this daemon can see, so it could not "
+            "tell when the lease's engine is gone",
+            client_pid=client_pid,
+        )
+    owner, started = seen
+    if not caller.trusted and owner != caller.uid:
+        raise ClientNotYoursError(
+            f"client_pid {client_pid} belongs to uid {owner}, the request comes from uid "
+            f"{caller.uid}",
+            client_pid=client_pid,
+        )
+    return Holder(uid=caller.uid, pid=client_pid, pid_start=started)

@@ -1,0 +1,99 @@
+"""Small files that promise a lot: a config whose layer count one empty tensor seems to back,
+and safetensors headers of a million empty entries. Each is refused with its code at the cost of
+what the headers hold (not of what they promise), ``/health`` answers throughout, and the daemon's
+RSS comes back within 50 MB once the case ends."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import torch
+
+from modelopt_fp8.checkpoint.safetensors_files import MAX_HEADER_BYTES, MAX_TENSORS
+from tests.checkpoint_tools import rewrite_json, rewrite_tensors
+from tests.hostile.conftest import Hostile
+from tests.hostile.memory import RssBack
+from tests.hostile.probe import HealthProbe
+
+
+def _empty_entries_file(path: Path, count: int) -> int:
+    """A safetensors file whose header lists ``count`` zero-size tensors; its header's size."""
+    entries = b",".join(
+        b'"model.extra.%d":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}' % i
+        for i in range(count)
+    )
+    header = b"{" + entries + b"}"
+    header += b" " * (-len(header) % 8)
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    return len(header)
+
+
+def _load_and_settle(hostile: Hostile, path: Path, model_id: str) -> dict:
+    r = hostile.load(path, model_id)
+    assert r.status_code == 202, r.text
+    info = hostile.settled(model_id, timeout_s=120)
+    hostile.unload(model_id)
+    return info
+
+
+def test_one_empty_tensor_does_not_back_a_lying_layer_count(hostile: Hostile) -> None:
+    """num_hidden_layers 400,000 and one zero-size tensor named for layer 399,999 (130 KB: the
+    probe's took 22 s of CPU and kept 1 GB): refused on opening, before any plan."""
+    path = hostile.checkpoint("layer-liar")
+    rewrite_json(path / "config.json", lambda c: c.update(num_hidden_layers=400_000))
+    rewrite_tensors(
+        path, lambda t: t.update({"model.layers.399999.x": torch.zeros(0, dtype=torch.float32)})
+    )
+    with RssBack(hostile.daemon.process.pid), HealthProbe(hostile.url) as probe:
+        info = _load_and_settle(hostile, path, "layer-liar")
+    assert info["state"] == "failed"
+    assert info["error"]["code"] == "invalid_config"
+    assert "no tensor of layer 2" in info["error"]["detail"]
+    probe.assert_answered()
+
+
+def test_every_layer_needs_its_weights(hostile: Hostile) -> None:
+    """Layers that exist only by a stray tensor each are refused at the first one lacking its
+    linear weights, however many the config promises."""
+    path = hostile.checkpoint("hollow-layers")
+    layers = 5000
+    rewrite_json(path / "config.json", lambda c: c.update(num_hidden_layers=layers))
+    rewrite_tensors(
+        path,
+        lambda t: t.update(
+            {f"model.layers.{i}.x": torch.zeros(0, dtype=torch.float32) for i in range(layers)}
+        ),
+    )
+    with RssBack(hostile.daemon.process.pid), HealthProbe(hostile.url) as probe:
+        info = _load_and_settle(hostile, path, "hollow-layers")
+    assert info["error"]["code"] == "missing_tensor"
+    assert info["error"]["tensor"] == "model.layers.2.self_attn.q_proj.weight"
+    probe.assert_answered()
+
+
+def test_a_header_bomb_is_refused_by_its_length(hostile: Hostile) -> None:
+    """A 63 MiB header of 1.14 M zero-size entries (it stalled the event loop 6.8 s and kept
+    1 GB): refused from its 8-byte length alone, before a byte of it is parsed."""
+    path = hostile.checkpoint("header-bomb")
+    size = _empty_entries_file(path / "bomb.safetensors", 1_140_000)
+    assert size > MAX_HEADER_BYTES
+    with RssBack(hostile.daemon.process.pid), HealthProbe(hostile.url) as probe:
+        info = _load_and_settle(hostile, path, "header-bomb")
+    assert info["error"]["code"] == "corrupt_safetensors"
+    assert "limit" in info["error"]["detail"]
+    assert info["error"]["file"].endswith("bomb.safetensors")
+    probe.assert_answered()
+
+
+def test_a_header_of_too_many_entries_stops_at_the_bound(hostile: Hostile) -> None:
+    """Within the byte limit, 200,000 empty entries: the header is parsed an entry at a time
+    (the event loop runs between entries) and refused at the first entry past the bound."""
+    path = hostile.checkpoint("entry-bomb")
+    size = _empty_entries_file(path / "entries.safetensors", 200_000)
+    assert size <= MAX_HEADER_BYTES
+    with RssBack(hostile.daemon.process.pid), HealthProbe(hostile.url) as probe:
+        info = _load_and_settle(hostile, path, "entry-bomb")
+    assert info["error"]["code"] == "corrupt_safetensors"
+    assert f"more than {MAX_TENSORS} tensors" in info["error"]["detail"]
+    probe.assert_answered()

@@ -1,0 +1,84 @@
+"""The guarded HTTP front subclasses uvicorn's internal httptools protocol: these tests fail on
+any uvicorn but the one it was written against, and name the internals it relies on, so an
+upgrade is a decision (re-read ``HttpToolsProtocol``, move ``UVICORN_VERSION``), never an
+accident."""
+
+from __future__ import annotations
+
+import inspect
+
+import httptools
+import uvicorn
+from uvicorn.protocols.http import httptools_impl
+from uvicorn.protocols.http.flow_control import FlowControl
+
+from service.api.server import UVICORN_VERSION, guarded_protocol
+
+# What GuardedHttpToolsProtocol overrides or calls, and what it reads.
+OVERRIDDEN = (
+    "connection_made",
+    "connection_lost",
+    "data_received",
+    "send_400_response",
+    "on_message_begin",
+    "on_headers_complete",
+    "on_body",
+    "on_message_complete",
+    "on_response_complete",
+    "pause_writing",
+    "resume_writing",
+    "timeout_keep_alive_handler",
+)
+STATE = ("connections", "pipeline", "cycle", "flow", "transport", "loop", "scope", "headers")
+CYCLE_STATE = ("response_started", "response_complete")
+
+
+def test_uvicorn_is_the_pinned_version() -> None:
+    assert uvicorn.__version__ == UVICORN_VERSION, (
+        f"uvicorn {uvicorn.__version__} is installed; service/api/server.py subclasses the "
+        f"HttpToolsProtocol of uvicorn {UVICORN_VERSION}: re-read it and move the pin"
+    )
+
+
+def test_the_internals_the_front_relies_on_are_there() -> None:
+    protocol = httptools_impl.HttpToolsProtocol
+    for name in OVERRIDDEN:
+        assert callable(getattr(protocol, name, None)), name
+    init = inspect.getsource(protocol.__init__)
+    for name in STATE:
+        assert f"self.{name} " in init or f"self.{name}:" in init, name
+    cycle = inspect.getsource(httptools_impl.RequestResponseCycle.__init__)
+    for name in CYCLE_STATE:
+        assert f"self.{name} = " in cycle, name
+    assert {"pause_writing", "resume_writing", "pause_reading"} <= set(dir(FlowControl))
+
+
+def test_httptools_reports_chunk_headers() -> None:
+    """Chunk headers are counted through httptools' public ``on_chunk_header`` callback."""
+
+    class Seen:
+        chunks = 0
+
+        def on_chunk_header(self) -> None:
+            self.chunks += 1
+
+    seen = Seen()
+    parser = httptools.HttpRequestParser(seen)
+    parser.feed_data(
+        b"POST / HTTP/1.1\r\nHost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+        b"2\r\nab\r\n3\r\ncde\r\n0\r\n\r\n"
+    )
+    assert seen.chunks == 3  # two chunks and the last, empty one
+
+
+def test_the_guarded_class_overrides_only_what_it_names() -> None:
+    from service.api.server import FrontLimits
+
+    guarded = guarded_protocol(FrontLimits(8, 1024, 1.0))
+    base = httptools_impl.HttpToolsProtocol
+    own = {
+        name
+        for name, value in vars(guarded).items()
+        if callable(value) and not name.startswith("_") and hasattr(base, name)
+    }
+    assert own == set(OVERRIDDEN)

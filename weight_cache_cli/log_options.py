@@ -1,0 +1,50 @@
+"""``--log-level`` and ``--log-format`` after a subcommand too.
+
+They are options of the ``weight-cache`` group (``weight-cache --log-format json serve``), where
+``serve --log-format json`` answered only "No such option". A subcommand taking them as well
+reconfigures logging as soon as they are parsed, keeping the group's value of the one not given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from service.logs import FORMATS, LEVELS, configure_logging
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _reconfigure(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is None:
+        return
+    group = ctx.parent.params if ctx.parent is not None else {}
+    chosen = {"log_level": group.get("log_level", "INFO"), "log_format": group.get("log_format")}
+    chosen[str(param.name)] = value
+    ctx.meta.setdefault("weight_cache.log", {}).update({str(param.name): value})
+    chosen.update(ctx.meta["weight_cache.log"])
+    configure_logging(str(chosen["log_level"]), str(chosen["log_format"] or "text").lower())
+
+
+def log_options(command: F) -> F:
+    """The group's logging options, accepted after the subcommand as well."""
+    for option in (
+        click.option(
+            "--log-format",
+            type=click.Choice(FORMATS, case_sensitive=False),
+            expose_value=False,
+            callback=_reconfigure,
+            help="text, or json (one object per line); also before the command.",
+        ),
+        click.option(
+            "--log-level",
+            type=click.Choice(LEVELS, case_sensitive=False),
+            expose_value=False,
+            callback=_reconfigure,
+            help="Level of every log line, uvicorn's included; also before the command.",
+        ),
+    ):
+        command = option(command)
+    return command
