@@ -7,25 +7,20 @@ models load, beside an API that already answers. Each failure is one line and a 
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import gc
 import logging
 import os
-import signal
 import socket
-import stat
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
+from weight_cache_cli.listen import bind, stopping_signal_deferred
 from weight_cache_cli.log_options import log_options
 from weight_cache_cli.settings_options import describe, environment_only, settings_options
 
 if TYPE_CHECKING:  # imported when the command runs: `--help` needs neither torch nor FastAPI
-    from service.api.unix_socket import PrivateSocket
     from service.daemon import Daemon
     from service.settings import DaemonSettings
 
@@ -114,59 +109,6 @@ def check_settings(settings: DaemonSettings) -> None:
         raise SettingsError(f"--run-dir: {exc}") from exc
 
 
-def bind(settings: DaemonSettings) -> socket.socket | PrivateSocket:
-    """The listening socket, bound before any model loads; a taken address is one line."""
-    if settings.uds is not None:
-        return _bind_unix(settings.uds, settings.socket_group)
-    host, port = settings.host, settings.port
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as exc:
-        raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from exc
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(2048)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise click.ClickException(
-                f"cannot listen on {host}:{port}: the address is in use (another weight-cache "
-                "daemon?); stop it, or choose another --port / WEIGHT_CACHE_PORT"
-            ) from exc
-        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
-    sock.set_inheritable(True)
-    return sock
-
-
-def _bind_unix(path: Path, group: str | None) -> PrivateSocket:
-    from service.api.unix_socket import PrivateSocket
-
-    if path.exists():
-        if not stat.S_ISSOCK(path.stat().st_mode):
-            raise click.ClickException(f"cannot listen on {path}: it exists and is not a socket")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            try:
-                probe.connect(str(path))
-            except OSError:
-                path.unlink()  # left behind by a daemon that is gone
-            else:
-                raise click.ClickException(
-                    f"cannot listen on {path}: another process is serving on it; stop it, or "
-                    "choose another --uds"
-                )
-    try:
-        # 0600, or 0660 for --socket-group: who may open it may use the API without a token.
-        return PrivateSocket(path, group)
-    except ValueError as exc:
-        raise SettingsError(str(exc)) from exc
-    except OSError as exc:
-        raise click.ClickException(f"cannot listen on {path}: {exc.strerror}") from exc
-
-
 def _startup_failure(daemon: Daemon) -> str:
     model, error = daemon.startup_failure or ("?", None)
     what = error.explain() if error is not None else "failed"
@@ -188,9 +130,12 @@ def serve(**flags: Any) -> None:
     """
     settings = build_settings(**flags)
     check_settings(settings)
-    bound = bind(settings)
+    try:
+        bound = bind(settings)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from exc
     listener = bound.sock if not isinstance(bound, socket.socket) else bound
-    with _stopping_signal_deferred():
+    with stopping_signal_deferred():
         try:
             if not settings.models:
                 settings = settings.model_copy(
@@ -206,23 +151,6 @@ def serve(**flags: Any) -> None:
                 bound.remove()  # the socket file goes with the daemon
     if daemon.startup_failure is not None:
         raise click.ClickException(_startup_failure(daemon))
-
-
-@contextlib.contextmanager
-def _stopping_signal_deferred() -> Iterator[None]:
-    """uvicorn re-raises the signal that stopped it once it has shut down, which would end
-    the process before the socket file is removed: the signal is caught meanwhile and raised
-    again after the cleanup, so the exit status still says which signal it was."""
-    caught: list[int] = []
-    stopping = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, lambda sig, _: caught.append(sig)) for sig in stopping}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if caught:
-        signal.raise_signal(caught[0])
 
 
 def _run(settings: DaemonSettings, listener: socket.socket) -> Daemon:

@@ -194,6 +194,7 @@ def test_daemon_variables_are_settings(pod: Pod, tmp_path: Path, monkeypatch) ->
         if name == "daemon":
             token = tmp_path / "token"
             token.write_text("t" * 32)
+            token.chmod(0o440)  # as the Secret volume mounts it (defaultMode 0440)
             for key in [k for k in os.environ if k.startswith(PREFIX)]:
                 monkeypatch.delenv(key)
             for key, value in variables.items():
