@@ -1,6 +1,7 @@
 """`make test` on a fresh machine (as `make -n` shows it): everything it installs goes into
-`.venv` or the vLLM environment, nothing into the system; the vLLM environment gets a Python
-that vLLM 0.33 runs on, and without one the vLLM tests are skipped, saying why."""
+`.venv`, the deployment tools' environment or the vLLM environment, nothing into the system;
+the vLLM environment gets a Python that vLLM 0.33 runs on, and without one the vLLM tests are
+skipped, saying why."""
 
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ def _dry_run(tmp_path: Path, *variables: str) -> list[str]:
     """The commands of `make test` from scratch, into environments under ``tmp_path``."""
     make = shutil.which("make")
     assert make, "make runs the tests"
-    environments = [f"VENV={tmp_path}/venv", f"VLLM_VENV={tmp_path}/vllm"]
+    environments = [
+        f"VENV={tmp_path}/venv",
+        f"VLLM_VENV={tmp_path}/vllm",
+        f"DEPLOY_VENV={tmp_path}/deploy",
+    ]
     out = subprocess.run(
         [make, "-n", "-B", "test", *environments, *variables],
         cwd=ROOT,
@@ -39,9 +44,8 @@ def test_make_test_installs_only_into_its_environments(tmp_path: Path) -> None:
     assert [line for line in lines if SYSTEM_INSTALLERS.search(line)] == []
     installers = [m.group(1) for line in lines for m in PIP_INSTALL.finditer(line)]
     assert installers, lines
-    assert all(
-        i.startswith((f"{tmp_path}/venv/bin/", f"{tmp_path}/vllm/bin")) for i in installers
-    ), installers
+    ours = [tmp_path / name / "bin" for name in ("venv", "vllm", "deploy")]
+    assert all(any(Path(i).is_relative_to(env) for env in ours) for i in installers), installers
     assert any("vllm==0.33.0" in line for line in lines)  # the vLLM tests do run
 
 
