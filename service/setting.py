@@ -2,7 +2,25 @@
 default reads. :func:`setting` declares a field of :class:`service.settings.DaemonSettings`
 together with these, so that the model is the one place a setting is defined; the command's
 options (``weight_cache_cli/settings_options.py``), the environment rules (``service/env.py``)
-and the README's table (``weight_cache_cli/settings_table.py``) are made from it."""
+and the README's table (``weight_cache_cli/settings_table.py``) are made from it.
+
+How to add a setting (nothing else to edit: no list of names, no click option):
+
+1. Add a field to :class:`DaemonSettings`, in the place its option should take in ``--help``::
+
+       my_limit: int = setting(8, flag="--my-limit", help="What it does, in a phrase", ge=1)
+
+   The variable is named after the flag (``WEIGHT_CACHE_MY_LIMIT``). ``ge``/``le``/``gt``,
+   ``default_factory`` and the other :func:`pydantic.Field` keywords pass through;
+   ``also=("--other-spelling",)`` adds flag spellings; ``older=("OLD_NAME",)`` keeps reading a
+   renamed variable (without the prefix); ``shown="..."`` words a default that reads better
+   than its value (``cores - 1``); ``variable="NAME"`` instead of ``flag`` declares one set in
+   the environment only; ``checked_by_cli=True`` lets the command refuse a bad value as it
+   parses it (a number out of range, a file that does not exist). A ``bool`` field becomes
+   ``--my-flag/--no-my-flag``, a ``list`` field a repeatable option.
+2. Run ``make settings-table`` to rewrite the README's table (``tests/service/test_settings.py``
+   fails while it is stale).
+"""
 
 from __future__ import annotations
 

@@ -6,22 +6,7 @@ carries its flag, its environment variable (named after the flag; older spelling
 its help and its default. The command's options, the known-variable rules that refuse a typo
 and the README's settings table are all made from these fields; nothing else lists a setting.
 
-How to add a setting (nothing else to edit: no list of names, no click option):
-
-1. Add a field to :class:`DaemonSettings`, in the place its option should take in ``--help``::
-
-       my_limit: int = setting(8, flag="--my-limit", help="What it does, in a phrase", ge=1)
-
-   The variable is named after the flag (``WEIGHT_CACHE_MY_LIMIT``). ``ge``/``le``/``gt``,
-   ``default_factory`` and the other :func:`pydantic.Field` keywords pass through;
-   ``also=("--other-spelling",)`` adds flag spellings; ``older=("OLD_NAME",)`` keeps reading a
-   renamed variable (without the prefix); ``shown="..."`` words a default that reads better
-   than its value (``cores - 1``); ``variable="NAME"`` instead of ``flag`` declares one set in
-   the environment only; ``checked_by_cli=True`` lets the command refuse a bad value as it
-   parses it (a number out of range, a file that does not exist). A ``bool`` field becomes
-   ``--my-flag/--no-my-flag``, a ``list`` field a repeatable option.
-2. Run ``make settings-table`` to rewrite the README's table (``tests/service/test_settings.py``
-   fails while it is stale).
+How to add one: :mod:`service.setting`.
 
 Options that take several values (``list`` fields) read them from their variable separated by
 ``:``, as ``PATH`` does.
@@ -244,6 +229,12 @@ class DaemonSettings(BaseSettings):
         4,
         flag="--max-parked-per-client",
         help="Most parked engines (ranks), and start-up slot tickets, of one process",
+        ge=1,
+    )
+    max_parked_per_uid: int = setting(
+        16,
+        flag="--max-parked-per-uid",
+        help="Most parked engines (ranks), and start-up slot tickets, of one user",
         ge=1,
     )
     startup_slot_hold_s: float = setting(

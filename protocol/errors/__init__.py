@@ -20,6 +20,7 @@ from protocol.errors.access import (
     ForbiddenError,
     LeaseNotYoursError,
     PeerNotAllowedError,
+    RegistrationNotYoursError,
 )
 from protocol.errors.base import WeightCacheError, error_classes, error_from_problem
 from protocol.errors.checkpoints import (
@@ -82,6 +83,7 @@ from protocol.errors.parking import (
     StartupSlotNotFoundError,
     TooManyClientParkedError,
     TooManyParkedError,
+    TooManyUserParkedError,
 )
 from protocol.errors.requests import (
     HeadersTooLargeError,
@@ -144,6 +146,7 @@ __all__ = [
     "PayloadTooLargeError",
     "PeerNotAllowedError",
     "PermissionDeniedError",
+    "RegistrationNotYoursError",
     "RequestTimeoutError",
     "ShmDirError",
     "StartupSlotNotFoundError",
@@ -159,6 +162,7 @@ __all__ = [
     "TooManyModelsError",
     "TooManyParkedError",
     "TooManyUserLeasesError",
+    "TooManyUserParkedError",
     "UnauthorizedError",
     "UnsupportedArchitectureError",
     "UnsupportedQuantAlgoError",

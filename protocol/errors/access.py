@@ -43,6 +43,17 @@ class ClientNotYoursError(ForbiddenError):
     hint = "send your own process id as client_pid"
 
 
+class RegistrationNotYoursError(ForbiddenError):
+    """A parked engine or a start-up slot ticket registered by another user."""
+
+    code = "registration_not_yours"
+    title = "Parked engine or start-up slot held by another user"
+    hint = (
+        "only the user that parked an engine or asked for a slot (or a token holder) may read, "
+        "release, cancel or withdraw it"
+    )
+
+
 class LeaseNotYoursError(ForbiddenError):
     code = "lease_not_yours"
     title = "Lease held by another user"

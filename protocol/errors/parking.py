@@ -33,6 +33,15 @@ class TooManyClientParkedError(TooManyParkedError):
     hint = "this process has parked its ranks already (--max-parked-per-client raises the cap)"
 
 
+class TooManyUserParkedError(TooManyParkedError):
+    code = "too_many_user_parked"
+    title = "Too many parked engines for this user"
+    hint = (
+        "this user's engines hold their share of the parked engines and start-up slot tickets "
+        "(--max-parked-per-uid raises it)"
+    )
+
+
 class NothingParkedError(ConflictError):
     """A release asked for a model none of whose engines is parked in full (every TP rank)."""
 

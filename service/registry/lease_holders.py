@@ -8,7 +8,9 @@ says alone:
   the caller's user; else it is refused (``client_not_visible``, ``client_not_yours``). Over the
   Unix socket the kernel names the caller's process itself: a caller in another PID namespace
   (the kernel says pid 0) holds its lease by its uid alone, unwatched (its TTL ends it), and
-  one whose ``client_pid`` is not visible holds it by the process that connected.
+  one whose ``client_pid`` is not visible holds it by the process that connected. A caller
+  that showed the daemon's token (an engine in another container, over TCP) holds a lease for a
+  process out of sight unwatched, as one in another PID namespace does.
 - A lease is read, renewed or released, and listed, only by its holder's user or by a trusted
   caller: one that showed the daemon's token, root, or the daemon's own user (they could read
   its memory anyway).
@@ -16,7 +18,8 @@ says alone:
 
 ``Holder`` is what a lease records of its caller (``Lease.holder_uid``, ``Lease.holder_pid``);
 the daemon's handle socket hands file descriptors only to a live lease's holder by the same
-record (:func:`service.registry.handle_access.holder_refusal`).
+record (:func:`service.registry.handle_access.holder_refusal`). Parked engines and start-up slot
+tickets are tied to their caller the same way (:class:`Holder`, :meth:`Caller.may_manage`).
 """
 
 from __future__ import annotations
@@ -87,6 +90,10 @@ def prove_holder(caller: Caller, client_pid: int) -> Holder:
     seen = _visible(client_pid)
     if seen is None and caller.via == "unix" and caller.pid is not None:
         client_pid, seen = caller.pid, _visible(caller.pid)  # the process that connected
+    if seen is None and caller.token:
+        # An engine in another container or pod, over TCP with the daemon's token: the
+        # operator vouched for it, and its TTL ends what its process no longer renews.
+        return Holder(uid=caller.uid, pid=None, pid_start=None)
     if seen is None:
         raise ClientNotVisibleError(
             f"client_pid {client_pid} is not a process this daemon can see, so it could not "

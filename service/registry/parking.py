@@ -7,6 +7,11 @@ asks. The TP ranks of one engine park under one group and are released together,
 first; an engine that ends releases one group once each of its ranks has ended, so a TP engine's
 two leases ending in two sweeps release one waiting engine, not two.
 
+A registration is its caller's (:mod:`service.registry.lease_holders`): the process watched is
+the one the kernel proved, and it is read, released, cancelled or withdrawn only by its user or a
+trusted caller; one user holds at most ``max_per_uid`` registrations, one process
+``max_per_client``.
+
 Everything runs under the daemon's lock; ``on_change`` is told the id of every registration
 whose state changed (the API wakes its long-polls with it), ``on_release`` the cause of every
 group released (the metrics count them).
@@ -25,8 +30,10 @@ from protocol.errors import (
     InvalidRequestError,
     NothingParkedError,
     ParkingNotFoundError,
+    RegistrationNotYoursError,
     TooManyClientParkedError,
     TooManyParkedError,
+    TooManyUserParkedError,
 )
 from protocol.schemas.parking import (
     ParkedEngine,
@@ -35,7 +42,7 @@ from protocol.schemas.parking import (
     ParkState,
     ReleaseCause,
 )
-from service.registry.leases import client_start
+from service.registry.lease_holders import Caller, Holder
 
 # Seconds a registration is kept past its last poll (or its end) without being asked for again.
 PARK_GRACE_S = 30.0
@@ -52,6 +59,7 @@ class Parked:
     group: str
     client_pid: int
     pid_start: int | None  # None: the PID is not visible here (another PID namespace)
+    holder_uid: int | None  # the caller's uid as the kernel proved it (None: a token holder)
     parked_at: float
     expires_at: float
     state: ParkState = ParkState.parked
@@ -95,6 +103,7 @@ class ParkingLot:
         lock: threading.RLock,
         max_parked: int,
         max_per_client: int,
+        max_per_uid: int,
         on_change: Callable[[str], None] | None = None,
         on_release: Callable[[ReleaseCause], None] | None = None,
         grace_s: float = PARK_GRACE_S,
@@ -107,6 +116,7 @@ class ParkingLot:
         self.lock = lock
         self.max_parked = max_parked
         self.max_per_client = max_per_client
+        self.max_per_uid = max_per_uid
         self.on_change = on_change
         self.on_release = on_release
         self.grace_s = grace_s
@@ -117,15 +127,19 @@ class ParkingLot:
 
     # --- engines parking and asking ----------------------------------------------------------
 
-    def park(self, req: ParkRequest, now: float) -> Parked:
-        """Register a parked engine (rank); released at once if engines of its model ended
-        while others of its kind already waited."""
-        pid_start = client_start(req.client_pid)  # outside the lock, as grants read it
+    def park(self, req: ParkRequest, now: float, holder: Holder) -> Parked:
+        """Register a parked engine (rank) for ``holder`` (proven outside the lock); released at
+        once if engines of its model ended while others of its kind already waited."""
+        client_pid = holder.pid if holder.pid is not None else req.client_pid
         with self.lock:
             if self.known_model is not None:
                 self.known_model(req.model)
-            self._check_room(req)
+            self._check_room(client_pid, holder)
             members = [self.parked[i] for i in self._groups.get(req.group, [])]
+            if any(m.holder_uid != holder.uid for m in members):
+                raise RegistrationNotYoursError(
+                    f"group {req.group} is parked by another user", group=req.group
+                )
             if any(m.key != (req.model, req.tp_size) or m.tp_rank == req.tp_rank for m in members):
                 raise InvalidRequestError(
                     f"group {req.group} already parks rank {req.tp_rank} or another model or "
@@ -138,8 +152,9 @@ class ParkingLot:
                 tp_rank=req.tp_rank,
                 tp_size=req.tp_size,
                 group=req.group,
-                client_pid=req.client_pid,
-                pid_start=pid_start,
+                client_pid=client_pid,
+                pid_start=holder.pid_start,
+                holder_uid=holder.uid,
                 parked_at=now,
                 expires_at=now + self.grace_s,
             )
@@ -151,35 +166,46 @@ class ParkingLot:
                 self._release_group(req.group, ReleaseCause.unserved, now)  # nobody to wait for
             return entry
 
-    def _check_room(self, req: ParkRequest) -> None:
+    def _check_room(self, client_pid: int, holder: Holder) -> None:
         if len(self.parked) >= self.max_parked:
             raise TooManyParkedError(
                 f"the daemon keeps at most {self.max_parked} parked engines",
                 limit=self.max_parked,
             )
-        mine = sum(1 for p in self.parked.values() if p.client_pid == req.client_pid)
+        theirs = [p for p in self.parked.values() if p.holder_uid == holder.uid]
+        if holder.uid is not None and len(theirs) >= self.max_per_uid:
+            raise TooManyUserParkedError(
+                f"uid {holder.uid} has {len(theirs)} parked registrations",
+                uid=holder.uid,
+                limit=self.max_per_uid,
+            )
+        mine = sum(1 for p in self.parked.values() if p.client_pid == client_pid)
         if mine >= self.max_per_client:
             raise TooManyClientParkedError(
-                f"process {req.client_pid} has {mine} parked registrations",
+                f"process {client_pid} has {mine} parked registrations",
                 limit=self.max_per_client,
             )
 
-    def get(self, parked_id: str, now: float, wait_s: float = 0.0) -> Parked:
+    def get(self, parked_id: str, now: float, caller: Caller, wait_s: float = 0.0) -> Parked:
         """The registration, kept for its engine ``wait_s`` plus the grace from now on."""
         with self.lock:
-            entry = self._find(parked_id)
+            entry = self._find(parked_id, caller)
             entry.expires_at = max(entry.expires_at, now + wait_s + self.grace_s)
             return entry
 
-    def withdraw(self, parked_id: str) -> None:
+    def withdraw(self, parked_id: str, caller: Caller) -> None:
         """The engine is done waiting (released, cancelled, or given up): forget it."""
         with self.lock:
-            self._find(parked_id)
+            self._find(parked_id, caller)
             self._forget(parked_id)
 
-    def _find(self, parked_id: str) -> Parked:
+    def _find(self, parked_id: str, caller: Caller) -> Parked:
         entry = self.parked.get(parked_id)
         if entry is not None:
+            if not caller.may_manage(entry.holder_uid):
+                raise RegistrationNotYoursError(
+                    f"parked engine {parked_id} is another user's", parked_id=parked_id
+                )
             return entry
         if not parked_id.startswith(f"{self.boot_id}."):
             raise DaemonRestartedError(
@@ -190,10 +216,12 @@ class ParkingLot:
 
     # --- releasing and cancelling ------------------------------------------------------------
 
-    def release(self, parked_id: str, cause: ReleaseCause, now: float) -> list[Parked]:
+    def release(
+        self, parked_id: str, cause: ReleaseCause, now: float, caller: Caller
+    ) -> list[Parked]:
         """Release the engine ``parked_id`` belongs to (every rank of it)."""
         with self.lock:
-            entry = self.get(parked_id, now)
+            entry = self.get(parked_id, now, caller)
             if entry.state is not ParkState.parked:
                 return self._members(entry.group)
             if not self._complete(entry.group):
@@ -205,11 +233,12 @@ class ParkingLot:
             return self._release_group(entry.group, cause, now)
 
     def release_oldest(
-        self, model: str, tp_size: int | None, cause: ReleaseCause, now: float
+        self, model: str, tp_size: int | None, cause: ReleaseCause, now: float, caller: Caller
     ) -> list[Parked]:
-        """Release the oldest engine parked in full for ``model`` (at ``tp_size``, if given)."""
+        """Release the oldest engine parked in full for ``model`` (at ``tp_size``, if given)
+        among those ``caller`` may manage."""
         with self.lock:
-            group = self._oldest(model, tp_size)
+            group = self._oldest(model, tp_size, caller)
             if group is None:
                 raise NothingParkedError(
                     f"no engine of model {model!r}"
@@ -219,10 +248,10 @@ class ParkingLot:
                 )
             return self._release_group(group, cause, now)
 
-    def cancel(self, parked_id: str, now: float) -> list[Parked]:
+    def cancel(self, parked_id: str, now: float, caller: Caller) -> list[Parked]:
         """Cancel the engine ``parked_id`` belongs to: its ranks fall back or fail."""
         with self.lock:
-            entry = self.get(parked_id, now)
+            entry = self.get(parked_id, now, caller)
             members = self._members(entry.group)
             for member in members:
                 if member.state is ParkState.parked:
@@ -285,9 +314,10 @@ class ParkingLot:
 
     # --- views -------------------------------------------------------------------------------
 
-    def entries(self) -> list[Parked]:
+    def entries(self, caller: Caller) -> list[Parked]:
+        """The registrations ``caller`` may manage (every one for a trusted caller)."""
         with self.lock:
-            return list(self.parked.values())
+            return [p for p in self.parked.values() if caller.may_manage(p.holder_uid)]
 
     def summary(self, model: str) -> ParkedSummary:
         with self.lock:
@@ -320,10 +350,13 @@ class ParkingLot:
     def _waiting(self, key: GroupKey) -> bool:
         return any(p.key == key and p.state is ParkState.parked for p in self.parked.values())
 
-    def _oldest(self, model: str, tp_size: int | None) -> str | None:
+    def _oldest(self, model: str, tp_size: int | None, caller: Caller | None = None) -> str | None:
+        """The oldest group parked in full (that ``caller``, if given, may manage)."""
         for group, ids in self._groups.items():
             first = self.parked[ids[0]]
             if first.model != model or (tp_size is not None and first.tp_size != tp_size):
+                continue
+            if caller is not None and not caller.may_manage(first.holder_uid):
                 continue
             if self._complete(group):
                 return group

@@ -11,6 +11,10 @@ asked and all their GPUs are free, first come first served per GPU (a group wait
 holds back later groups on it, so none starves and no two engines each hold half of what the
 other needs). A held slot whose engine dies is given back by the reaper, and one held past
 ``hold_s`` is taken back, so one stuck engine delays the others at most that long.
+
+A ticket is its caller's, as a parked engine is (:mod:`service.registry.parking`): the process
+the kernel proved is the one watched, only its user or a trusted caller reads or gives it back,
+and one user holds at most ``max_per_uid`` tickets.
 """
 
 from __future__ import annotations
@@ -23,13 +27,15 @@ from dataclasses import dataclass
 from protocol.errors import (
     DaemonRestartedError,
     InvalidRequestError,
+    RegistrationNotYoursError,
     StartupSlotNotFoundError,
     TooManyClientParkedError,
     TooManyParkedError,
+    TooManyUserParkedError,
 )
 from protocol.schemas.startup_slots import SlotRequest, SlotState, SlotTicket
 from service.logsafe import get_logger
-from service.registry.leases import client_start
+from service.registry.lease_holders import Caller, Holder
 
 log = get_logger(__name__)
 
@@ -45,6 +51,7 @@ class Ticket:
     group: str
     client_pid: int
     pid_start: int | None
+    holder_uid: int | None  # the caller's uid as the kernel proved it (None: a token holder)
     asked_at: float
     expires_at: float
     state: SlotState = SlotState.waiting
@@ -75,6 +82,7 @@ class StartupSlots:
         lock: threading.RLock,
         max_tickets: int,
         max_per_client: int,
+        max_per_uid: int,
         hold_s: float,
         on_change: Callable[[str], None] | None = None,
         on_reclaim: Callable[[str], None] | None = None,
@@ -84,28 +92,41 @@ class StartupSlots:
         self.lock = lock
         self.max_tickets = max_tickets
         self.max_per_client = max_per_client
+        self.max_per_uid = max_per_uid
         self.hold_s = hold_s
         self.on_change = on_change
         self.on_reclaim = on_reclaim
         self.grace_s = grace_s
         self.tickets: dict[str, Ticket] = {}  # insertion order: first asked first
 
-    def take(self, req: SlotRequest, now: float) -> Ticket:
-        """A ticket for ``req.device``: held at once if the GPU is free, else waiting."""
-        pid_start = client_start(req.client_pid)  # outside the lock, as grants read it
+    def take(self, req: SlotRequest, now: float, holder: Holder) -> Ticket:
+        """A ticket for ``req.device`` for ``holder`` (proven outside the lock): held at once if
+        the GPU is free, else waiting."""
+        client_pid = holder.pid if holder.pid is not None else req.client_pid
         with self.lock:
             if len(self.tickets) >= self.max_tickets:
                 raise TooManyParkedError(
                     f"the daemon keeps at most {self.max_tickets} start-up slot tickets",
                     limit=self.max_tickets,
                 )
-            mine = [t for t in self.tickets.values() if t.client_pid == req.client_pid]
+            theirs = [t for t in self.tickets.values() if t.holder_uid == holder.uid]
+            if holder.uid is not None and len(theirs) >= self.max_per_uid:
+                raise TooManyUserParkedError(
+                    f"uid {holder.uid} holds {len(theirs)} start-up slot tickets",
+                    uid=holder.uid,
+                    limit=self.max_per_uid,
+                )
+            mine = [t for t in self.tickets.values() if t.client_pid == client_pid]
             if len(mine) >= self.max_per_client:
                 raise TooManyClientParkedError(
-                    f"process {req.client_pid} holds {len(mine)} start-up slot tickets",
+                    f"process {client_pid} holds {len(mine)} start-up slot tickets",
                     limit=self.max_per_client,
                 )
             others = [t for t in self.tickets.values() if t.group == req.group]
+            if any(t.holder_uid != holder.uid for t in others):
+                raise RegistrationNotYoursError(
+                    f"group {req.group} asked for its slot as another user", group=req.group
+                )
             if any(t.tp_size != req.tp_size or t.tp_rank == req.tp_rank for t in others):
                 raise InvalidRequestError(
                     f"group {req.group} already asked for rank {req.tp_rank}, or at another TP "
@@ -118,8 +139,9 @@ class StartupSlots:
                 tp_rank=req.tp_rank,
                 tp_size=req.tp_size,
                 group=req.group,
-                client_pid=req.client_pid,
-                pid_start=pid_start,
+                client_pid=client_pid,
+                pid_start=holder.pid_start,
+                holder_uid=holder.uid,
                 asked_at=now,
                 expires_at=now + self.grace_s,
             )
@@ -127,7 +149,7 @@ class StartupSlots:
             self._grant(now)
             return ticket
 
-    def get(self, ticket_id: str, now: float, wait_s: float = 0.0) -> Ticket:
+    def get(self, ticket_id: str, now: float, caller: Caller, wait_s: float = 0.0) -> Ticket:
         """The ticket; a waiting one is kept ``wait_s`` plus the grace from now on."""
         with self.lock:
             ticket = self.tickets.get(ticket_id)
@@ -138,14 +160,18 @@ class StartupSlots:
                         boot_id=self.boot_id,
                     )
                 raise StartupSlotNotFoundError(f"no start-up slot ticket {ticket_id}")
+            if not caller.may_manage(ticket.holder_uid):
+                raise RegistrationNotYoursError(
+                    f"start-up slot ticket {ticket_id} is another user's", ticket_id=ticket_id
+                )
             if ticket.state is SlotState.waiting:
                 ticket.expires_at = max(ticket.expires_at, now + wait_s + self.grace_s)
             return ticket
 
-    def give_back(self, ticket_id: str, now: float) -> None:
+    def give_back(self, ticket_id: str, now: float, caller: Caller) -> None:
         """The engine is done (or gives up waiting): the next engine may start."""
         with self.lock:
-            self.get(ticket_id, now)
+            self.get(ticket_id, now, caller)
             self._drop(ticket_id, now)
 
     def ahead(self, ticket: Ticket) -> int:
@@ -192,9 +218,13 @@ class StartupSlots:
                 self._drop(ticket.id, now)
             return stale
 
-    def entries(self) -> list[tuple[Ticket, int]]:
+    def entries(self, caller: Caller) -> list[tuple[Ticket, int]]:
+        """The tickets ``caller`` may manage (every one for a trusted caller), each with the
+        engines ahead of it."""
         with self.lock:
-            return [(t, self.ahead(t)) for t in self.tickets.values()]
+            return [
+                (t, self.ahead(t)) for t in self.tickets.values() if caller.may_manage(t.holder_uid)
+            ]
 
     def counts(self) -> dict[str, int]:
         with self.lock:

@@ -27,6 +27,7 @@ class WaitingEngines:
             lock,
             settings.max_parked,
             settings.max_parked_per_client,
+            settings.max_parked_per_uid,
             on_release=lambda cause: metrics.parked_releases.labels(cause=cause.value).inc(),
             known_model=known_model,
             serving=serving,
@@ -36,6 +37,7 @@ class WaitingEngines:
             lock,
             settings.max_parked,
             settings.max_parked_per_client,
+            settings.max_parked_per_uid,
             settings.startup_slot_hold_s,
             on_reclaim=lambda why: metrics.startup_slot_reclaims.labels(why=why).inc(),
         )

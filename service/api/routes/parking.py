@@ -5,7 +5,9 @@ An engine parks (``POST``), then asks for its registration with ``wait_s`` (a lo
 answers as soon as it is released or cancelled, and holds no worker thread meanwhile), and
 withdraws it once it is done waiting (``DELETE``). Operators list parked engines, release one
 (by id, or the oldest of a model: ``POST /v1/parking/models/{model}/release``) and cancel one;
-an engine's TP ranks go together."""
+an engine's TP ranks go together. A registration is its caller's: the process the kernel proved
+is the one watched, and only its user or a trusted caller (the token, root, the daemon's user)
+sees, releases, cancels or withdraws it."""
 
 from __future__ import annotations
 
@@ -25,9 +27,13 @@ from protocol.schemas.parking import (
     ReleaseCause,
 )
 from service.api.problems import problem_responses
-from service.api.routes.deps import DaemonDep, WaitsDep
+from service.api.routes.deps import CallerDep, DaemonDep, WaitsDep
+from service.registry.lease_holders import prove_holder
+from service.registry.parking import Parked
 
-router = APIRouter(prefix="/v1/parking", tags=["parking"], responses=problem_responses(401, 422))
+router = APIRouter(
+    prefix="/v1/parking", tags=["parking"], responses=problem_responses(401, 403, 422)
+)
 ParkedId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]
 ModelId = Annotated[str, PathParam(pattern=MODEL_ID_PATTERN)]
 WaitS = Annotated[
@@ -43,15 +49,23 @@ WaitS = Annotated[
     summary="Park one TP rank of an engine until it is released",
     responses=problem_responses(404, 429),
 )
-async def park(body: ParkRequest, response: Response, daemon: DaemonDep) -> ParkedEngine:
-    entry = await run_in_threadpool(daemon.parking.park, body, time.time())
+async def park(
+    body: ParkRequest, response: Response, daemon: DaemonDep, caller: CallerDep
+) -> ParkedEngine:
+    def parked() -> Parked:
+        holder = prove_holder(caller, body.client_pid)  # reads /proc: before the lock
+        return daemon.parking.park(body, time.time(), holder)
+
+    entry = await run_in_threadpool(parked)
     response.headers["Location"] = f"/v1/parking/{entry.id}"
     return entry.info(daemon.boot_id)
 
 
-@router.get("", response_model=list[ParkedEngine], summary="Every parked engine (rank)")
-async def list_parked(daemon: DaemonDep) -> list[ParkedEngine]:
-    entries = await run_in_threadpool(daemon.parking.entries)
+@router.get(
+    "", response_model=list[ParkedEngine], summary="Every parked engine (rank) the caller may touch"
+)
+async def list_parked(daemon: DaemonDep, caller: CallerDep) -> list[ParkedEngine]:
+    entries = await run_in_threadpool(daemon.parking.entries, caller)
     return [e.info(daemon.boot_id) for e in entries]
 
 
@@ -62,10 +76,10 @@ async def list_parked(daemon: DaemonDep) -> list[ParkedEngine]:
     responses=problem_responses(404, 409),
 )
 async def get_parked(
-    parked_id: ParkedId, daemon: DaemonDep, waits: WaitsDep, wait_s: WaitS = 0.0
+    parked_id: ParkedId, daemon: DaemonDep, waits: WaitsDep, caller: CallerDep, wait_s: WaitS = 0.0
 ) -> ParkedEngine:
     async def read() -> ParkedEngine:
-        entry = await run_in_threadpool(daemon.parking.get, parked_id, time.time(), wait_s)
+        entry = await run_in_threadpool(daemon.parking.get, parked_id, time.time(), caller, wait_s)
         return entry.info(daemon.boot_id)
 
     return await waits.until(parked_id, read, lambda e: e.state is not ParkState.parked, wait_s)
@@ -77,8 +91,8 @@ async def get_parked(
     summary="Withdraw a registration (the engine's own, once it is done waiting)",
     responses=problem_responses(404, 409),
 )
-async def withdraw(parked_id: ParkedId, daemon: DaemonDep) -> Response:
-    await run_in_threadpool(daemon.parking.withdraw, parked_id)
+async def withdraw(parked_id: ParkedId, daemon: DaemonDep, caller: CallerDep) -> Response:
+    await run_in_threadpool(daemon.parking.withdraw, parked_id, caller)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -91,10 +105,11 @@ async def withdraw(parked_id: ParkedId, daemon: DaemonDep) -> Response:
 async def release_oldest(
     model_id: ModelId,
     daemon: DaemonDep,
+    caller: CallerDep,
     tp_size: Annotated[int | None, Query(ge=1, le=64, description="default: any")] = None,
 ) -> list[ParkedEngine]:
     released = await run_in_threadpool(
-        daemon.parking.release_oldest, model_id, tp_size, ReleaseCause.operator, time.time()
+        daemon.parking.release_oldest, model_id, tp_size, ReleaseCause.operator, time.time(), caller
     )
     return [e.info(daemon.boot_id) for e in released]
 
@@ -105,9 +120,9 @@ async def release_oldest(
     summary="Release this engine (all its ranks)",
     responses=problem_responses(404, 409),
 )
-async def release(parked_id: ParkedId, daemon: DaemonDep) -> list[ParkedEngine]:
+async def release(parked_id: ParkedId, daemon: DaemonDep, caller: CallerDep) -> list[ParkedEngine]:
     released = await run_in_threadpool(
-        daemon.parking.release, parked_id, ReleaseCause.operator, time.time()
+        daemon.parking.release, parked_id, ReleaseCause.operator, time.time(), caller
     )
     return [e.info(daemon.boot_id) for e in released]
 
@@ -118,6 +133,6 @@ async def release(parked_id: ParkedId, daemon: DaemonDep) -> list[ParkedEngine]:
     summary="Cancel this engine (all its ranks): it falls back or fails, per its options",
     responses=problem_responses(404, 409),
 )
-async def cancel(parked_id: ParkedId, daemon: DaemonDep) -> list[ParkedEngine]:
-    cancelled = await run_in_threadpool(daemon.parking.cancel, parked_id, time.time())
+async def cancel(parked_id: ParkedId, daemon: DaemonDep, caller: CallerDep) -> list[ParkedEngine]:
+    cancelled = await run_in_threadpool(daemon.parking.cancel, parked_id, time.time(), caller)
     return [e.info(daemon.boot_id) for e in cancelled]

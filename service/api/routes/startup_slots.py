@@ -2,7 +2,8 @@
 
 An engine asks for its GPU's slot (``POST``) just before vLLM takes its memory snapshot, waits
 for it with ``wait_s`` (a long-poll that holds no worker thread), and gives it back
-(``DELETE``) once its KV cache is allocated and its graphs captured."""
+(``DELETE``) once its KV cache is allocated and its graphs captured. A ticket is its caller's,
+as a parked engine is (``/v1/parking``)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from starlette.concurrency import run_in_threadpool
 from protocol.schemas.parking import MAX_WAIT_S
 from protocol.schemas.startup_slots import SlotRequest, SlotState, SlotTicket
 from service.api.problems import problem_responses
-from service.api.routes.deps import DaemonDep, WaitsDep
+from service.api.routes.deps import CallerDep, DaemonDep, WaitsDep
+from service.registry.lease_holders import prove_holder
 
 router = APIRouter(
-    prefix="/v1/startup-slots", tags=["startup-slots"], responses=problem_responses(401, 422)
+    prefix="/v1/startup-slots", tags=["startup-slots"], responses=problem_responses(401, 403, 422)
 )
 TicketId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]
 WaitS = Annotated[
@@ -34,11 +36,14 @@ WaitS = Annotated[
     summary="Ask for a GPU's start-up slot (held at once if free, else waiting)",
     responses=problem_responses(429),
 )
-async def take(body: SlotRequest, response: Response, daemon: DaemonDep) -> SlotTicket:
+async def take(
+    body: SlotRequest, response: Response, daemon: DaemonDep, caller: CallerDep
+) -> SlotTicket:
     slots = daemon.startup_slots
 
     def taken() -> SlotTicket:
-        ticket = slots.take(body, time.time())
+        holder = prove_holder(caller, body.client_pid)  # reads /proc: before the lock
+        ticket = slots.take(body, time.time(), holder)
         return ticket.info(daemon.boot_id, slots.ahead(ticket))
 
     info = await run_in_threadpool(taken)
@@ -46,9 +51,11 @@ async def take(body: SlotRequest, response: Response, daemon: DaemonDep) -> Slot
     return info
 
 
-@router.get("", response_model=list[SlotTicket], summary="Every start-up slot ticket")
-async def list_tickets(daemon: DaemonDep) -> list[SlotTicket]:
-    entries = await run_in_threadpool(daemon.startup_slots.entries)
+@router.get(
+    "", response_model=list[SlotTicket], summary="Every start-up slot ticket the caller may touch"
+)
+async def list_tickets(daemon: DaemonDep, caller: CallerDep) -> list[SlotTicket]:
+    entries = await run_in_threadpool(daemon.startup_slots.entries, caller)
     return [t.info(daemon.boot_id, ahead) for t, ahead in entries]
 
 
@@ -59,12 +66,12 @@ async def list_tickets(daemon: DaemonDep) -> list[SlotTicket]:
     responses=problem_responses(404, 409),
 )
 async def get_ticket(
-    ticket_id: TicketId, daemon: DaemonDep, waits: WaitsDep, wait_s: WaitS = 0.0
+    ticket_id: TicketId, daemon: DaemonDep, waits: WaitsDep, caller: CallerDep, wait_s: WaitS = 0.0
 ) -> SlotTicket:
     slots = daemon.startup_slots
 
     def current() -> SlotTicket:
-        ticket = slots.get(ticket_id, time.time(), wait_s)
+        ticket = slots.get(ticket_id, time.time(), caller, wait_s)
         return ticket.info(daemon.boot_id, slots.ahead(ticket))
 
     async def read() -> SlotTicket:
@@ -79,6 +86,6 @@ async def get_ticket(
     summary="Give the slot back (or stop waiting for it)",
     responses=problem_responses(404, 409),
 )
-async def give_back(ticket_id: TicketId, daemon: DaemonDep) -> Response:
-    await run_in_threadpool(daemon.startup_slots.give_back, ticket_id, time.time())
+async def give_back(ticket_id: TicketId, daemon: DaemonDep, caller: CallerDep) -> Response:
+    await run_in_threadpool(daemon.startup_slots.give_back, ticket_id, time.time(), caller)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

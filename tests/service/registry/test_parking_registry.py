@@ -14,20 +14,26 @@ from protocol.errors import (
     ModelNotFoundError,
     NothingParkedError,
     ParkingNotFoundError,
+    RegistrationNotYoursError,
     TooManyClientParkedError,
     TooManyParkedError,
+    TooManyUserParkedError,
 )
 from protocol.schemas.parking import ParkRequest, ParkState, ReleaseCause
+from service.registry.lease_holders import Caller, Holder
 from service.registry.leases import client_start
 from service.registry.parking import Parked, ParkingLot
 
 ME = os.getpid()
+OWNER = Caller.local()  # the daemon's own user: trusted
 
 
 class Lot:
     """A parking lot with its releases and changes recorded."""
 
-    def __init__(self, max_parked: int = 64, max_per_client: int = 64) -> None:
+    def __init__(
+        self, max_parked: int = 64, max_per_client: int = 64, max_per_uid: int = 64
+    ) -> None:
         self.changed: list[str] = []
         self.serving: set[str] = set()  # models some engine holds a lease on
         self.releases: list[ReleaseCause] = []
@@ -41,6 +47,7 @@ class Lot:
             threading.RLock(),
             max_parked,
             max_per_client,
+            max_per_uid,
             on_change=self.changed.append,
             on_release=self.releases.append,
             grace_s=10.0,
@@ -57,6 +64,7 @@ class Lot:
         pid: int = ME,
         now=0.0,
         if_serving: bool = False,
+        uid: int | None = OWNER.uid,
     ) -> Parked:
         req = ParkRequest(
             model=model,
@@ -66,7 +74,7 @@ class Lot:
             group=group,
             if_serving=if_serving,
         )
-        return self.lot.park(req, now)
+        return self.lot.park(req, now, Holder(uid=uid, pid=pid, pid_start=client_start(pid)))
 
     def ended(self, rank: int = 0, tp: int = 1, model: str = "m", gone: bool = True) -> None:
         """An engine's lease on ``model`` rank ``rank`` ended (its process gone, or a PID the
@@ -74,7 +82,7 @@ class Lot:
         self.lot.lease_ended(model, rank, tp, 4242, None, process_gone=gone, now=5.0)
 
     def states(self) -> dict[str, ParkState]:
-        return {p.group + f"/{p.tp_rank}": p.state for p in self.lot.entries()}
+        return {p.group + f"/{p.tp_rank}": p.state for p in self.lot.entries(caller=OWNER)}
 
 
 def test_an_engine_that_dies_releases_the_oldest_parked_one() -> None:
@@ -154,7 +162,7 @@ def test_a_parked_engine_whose_process_is_gone_is_forgotten() -> None:
     start = client_start(ME)
     assert start is not None
     assert lot.lot.process_gone(ME, start, now=1.0) == [entry]
-    assert lot.lot.entries() == [] and entry.id in lot.changed
+    assert lot.lot.entries(caller=OWNER) == [] and entry.id in lot.changed
 
 
 def test_operator_release_by_id_and_by_model() -> None:
@@ -163,15 +171,15 @@ def test_operator_release_by_id_and_by_model() -> None:
     lot.park("a", 1, tp=2, now=1.0)
     lot.park("b", 0, tp=1, now=2.0)
     lot.park("c", 0, tp=1, now=3.0)
-    released = lot.lot.release(a0.id, ReleaseCause.operator, now=4.0)
+    released = lot.lot.release(a0.id, ReleaseCause.operator, now=4.0, caller=OWNER)
     assert sorted(p.tp_rank for p in released) == [0, 1]
     assert {p.cause for p in released} == {ReleaseCause.operator}
-    (oldest,) = lot.lot.release_oldest("m", None, ReleaseCause.operator, now=5.0)
+    (oldest,) = lot.lot.release_oldest("m", None, ReleaseCause.operator, now=5.0, caller=OWNER)
     assert oldest.group == "b"
-    (at_size,) = lot.lot.release_oldest("m", 1, ReleaseCause.operator, now=5.0)
+    (at_size,) = lot.lot.release_oldest("m", 1, ReleaseCause.operator, now=5.0, caller=OWNER)
     assert at_size.group == "c"
     with pytest.raises(NothingParkedError):
-        lot.lot.release_oldest("m", None, ReleaseCause.operator, now=6.0)
+        lot.lot.release_oldest("m", None, ReleaseCause.operator, now=6.0, caller=OWNER)
     assert lot.releases == [ReleaseCause.operator] * 3
 
 
@@ -179,9 +187,9 @@ def test_an_incomplete_group_cannot_be_released() -> None:
     lot = Lot()
     half = lot.park("a", 0, tp=2)
     with pytest.raises(NothingParkedError):
-        lot.lot.release(half.id, ReleaseCause.operator, now=1.0)
+        lot.lot.release(half.id, ReleaseCause.operator, now=1.0, caller=OWNER)
     with pytest.raises(NothingParkedError):
-        lot.lot.release_oldest("m", 2, ReleaseCause.operator, now=1.0)
+        lot.lot.release_oldest("m", 2, ReleaseCause.operator, now=1.0, caller=OWNER)
 
 
 def test_cancel_takes_the_whole_group_out_of_the_queue() -> None:
@@ -190,7 +198,7 @@ def test_cancel_takes_the_whole_group_out_of_the_queue() -> None:
     lot.park("a", 1, tp=2)
     lot.park("b", 0, tp=2)
     lot.park("b", 1, tp=2)
-    cancelled = lot.lot.cancel(a0.id, now=1.0)
+    cancelled = lot.lot.cancel(a0.id, now=1.0, caller=OWNER)
     assert {p.state for p in cancelled} == {ParkState.cancelled}
     lot.ended(0, tp=2)
     lot.ended(1, tp=2)
@@ -200,12 +208,12 @@ def test_cancel_takes_the_whole_group_out_of_the_queue() -> None:
 def test_withdraw_forgets_and_unknown_ids_say_why() -> None:
     lot = Lot()
     entry = lot.park("a")
-    assert lot.lot.get(entry.id, now=1.0) is entry
-    lot.lot.withdraw(entry.id)
+    assert lot.lot.get(entry.id, now=1.0, caller=OWNER) is entry
+    lot.lot.withdraw(entry.id, caller=OWNER)
     with pytest.raises(ParkingNotFoundError):
-        lot.lot.get(entry.id, now=1.0)
+        lot.lot.get(entry.id, now=1.0, caller=OWNER)
     with pytest.raises(DaemonRestartedError):
-        lot.lot.get("0ld.0123", now=1.0)
+        lot.lot.get("0ld.0123", now=1.0, caller=OWNER)
 
 
 def test_caps_in_all_and_per_client() -> None:
@@ -217,7 +225,7 @@ def test_caps_in_all_and_per_client() -> None:
     lot.park("c", pid=1)
     with pytest.raises(TooManyParkedError):
         lot.park("d", pid=2)
-    assert len(lot.lot.entries()) == 3
+    assert len(lot.lot.entries(caller=OWNER)) == 3
 
 
 def test_bad_groups_and_unknown_models_are_refused() -> None:
@@ -235,7 +243,9 @@ def test_registrations_not_asked_for_expire_and_polls_keep_them() -> None:
     lot = Lot()
     kept = lot.park("a", now=0.0)
     dropped = lot.park("b", pid=1, now=0.0)
-    lot.lot.get(kept.id, now=5.0, wait_s=30.0)  # a long-poll: kept through it plus the grace
+    lot.lot.get(
+        kept.id, now=5.0, wait_s=30.0, caller=OWNER
+    )  # a long-poll: kept through it plus the grace
     assert [p.id for p in lot.lot.expire(now=20.0)] == [dropped.id]
     assert lot.lot.expire(now=40.0) == []
     assert [p.id for p in lot.lot.expire(now=46.0)] == [kept.id]
@@ -267,3 +277,32 @@ def test_if_serving_waits_only_while_an_engine_holds_a_lease() -> None:
     always = lot.park("c")  # park: true waits whoever serves
     assert always.state is ParkState.parked
     assert lot.releases == [ReleaseCause.unserved]
+
+
+def test_a_registration_is_its_users_alone() -> None:
+    """Another user neither sees, releases, cancels, withdraws nor joins a user's parked engine;
+    one user holds at most its share."""
+    lot = Lot(max_per_uid=2)
+    owner, neighbour = (
+        Caller(uid=4242, pid=None, via="unix"),
+        Caller(uid=4343, pid=None, via="unix"),
+    )
+    mine = lot.park("a", 0, tp=2, uid=4242)
+    assert lot.lot.entries(neighbour) == [] and lot.lot.entries(owner) == [mine]
+    for refused in (
+        lambda: lot.lot.get(mine.id, 1.0, neighbour),
+        lambda: lot.lot.release(mine.id, ReleaseCause.operator, 1.0, neighbour),
+        lambda: lot.lot.cancel(mine.id, 1.0, neighbour),
+        lambda: lot.lot.withdraw(mine.id, neighbour),
+        lambda: lot.park("a", 1, tp=2, uid=4343),
+    ):
+        with pytest.raises(RegistrationNotYoursError):
+            refused()
+    lot.park("a", 1, tp=2, uid=4242)
+    with pytest.raises(NothingParkedError):  # none of the neighbour's own
+        lot.lot.release_oldest("m", None, ReleaseCause.operator, 1.0, neighbour)
+    with pytest.raises(TooManyUserParkedError):
+        lot.park("b", uid=4242)
+    lot.park("c", uid=4343)  # the other user keeps its room
+    released = lot.lot.release_oldest("m", 2, ReleaseCause.operator, 1.0, owner)
+    assert {p.state for p in released} == {ParkState.released}

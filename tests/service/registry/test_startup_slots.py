@@ -11,19 +11,25 @@ import pytest
 from protocol.errors import (
     DaemonRestartedError,
     InvalidRequestError,
+    RegistrationNotYoursError,
     StartupSlotNotFoundError,
     TooManyClientParkedError,
     TooManyParkedError,
+    TooManyUserParkedError,
 )
 from protocol.schemas.startup_slots import SlotRequest, SlotState
+from service.registry.lease_holders import Caller, Holder
 from service.registry.leases import client_start
 from service.registry.startup_slots import StartupSlots, Ticket
 
 ME = os.getpid()
+OWNER = Caller.local()  # the daemon's own user: trusted
 
 
 class Slots:
-    def __init__(self, max_tickets: int = 64, max_per_client: int = 64) -> None:
+    def __init__(
+        self, max_tickets: int = 64, max_per_client: int = 64, max_per_uid: int = 64
+    ) -> None:
         self.changed: list[str] = []
         self.reclaims: list[str] = []
         self.slots = StartupSlots(
@@ -31,6 +37,7 @@ class Slots:
             threading.RLock(),
             max_tickets,
             max_per_client,
+            max_per_uid,
             hold_s=100.0,
             on_change=self.changed.append,
             on_reclaim=self.reclaims.append,
@@ -38,13 +45,24 @@ class Slots:
         )
 
     def take(
-        self, device: str, group: str, rank: int = 0, tp: int = 1, pid: int = ME, now=0.0
+        self,
+        device: str,
+        group: str,
+        rank: int = 0,
+        tp: int = 1,
+        pid: int = ME,
+        now=0.0,
+        uid: int | None = OWNER.uid,
     ) -> Ticket:
         req = SlotRequest(device=device, tp_rank=rank, tp_size=tp, client_pid=pid, group=group)
-        return self.slots.take(req, now)
+        return self.slots.take(req, now, Holder(uid=uid, pid=pid, pid_start=client_start(pid)))
 
     def held(self) -> list[str]:
-        return [f"{t.group}/{t.device}" for t, _ in self.slots.entries() if t.state.value == "held"]
+        return [
+            f"{t.group}/{t.device}"
+            for t, _ in self.slots.entries(caller=OWNER)
+            if t.state.value == "held"
+        ]
 
 
 def test_one_engine_per_gpu_in_the_order_they_asked() -> None:
@@ -60,10 +78,10 @@ def test_one_engine_per_gpu_in_the_order_they_asked() -> None:
         SlotState.held,
     )
     assert [s.slots.ahead(t) for t in (a, b, c)] == [0, 1, 2]
-    s.slots.give_back(a.id, now=1.0)
+    s.slots.give_back(a.id, now=1.0, caller=OWNER)
     assert b.state is SlotState.held and c.state is SlotState.waiting
     assert b.granted_at == 1.0 and b.id in s.changed
-    s.slots.give_back(b.id, now=2.0)
+    s.slots.give_back(b.id, now=2.0, caller=OWNER)
     assert c.state.value == "held"
 
 
@@ -79,9 +97,9 @@ def test_tp_groups_are_granted_whole_and_never_deadlock() -> None:
     y0 = s.take("GPU-0", "y", 0, tp=2)
     assert (x0.state, x1.state) == (SlotState.held, SlotState.held)
     assert (y0.state, y1.state) == (SlotState.waiting, SlotState.waiting)
-    s.slots.give_back(x0.id, now=1.0)
+    s.slots.give_back(x0.id, now=1.0, caller=OWNER)
     assert y0.state is SlotState.waiting  # GPU 1 is still x's
-    s.slots.give_back(x1.id, now=1.0)
+    s.slots.give_back(x1.id, now=1.0, caller=OWNER)
     assert (y0.state, y1.state) == (SlotState.held, SlotState.held)
 
 
@@ -106,10 +124,10 @@ def test_dead_and_stuck_holders_lose_the_slot() -> None:
     assert (ME, start) in s.slots.watched()
     s.slots.process_gone(ME, start, now=5.0)
     assert theirs.state is SlotState.held
-    assert mine.id not in {t.id for t, _ in s.slots.entries()}
+    assert mine.id not in {t.id for t, _ in s.slots.entries(caller=OWNER)}
     assert s.reclaims == ["engine_gone"]
     third = s.take("GPU-0", "third", pid=1)
-    s.slots.get(third.id, now=70.0, wait_s=30.0)  # a long poll keeps a waiting ticket
+    s.slots.get(third.id, now=70.0, wait_s=30.0, caller=OWNER)  # a long poll keeps a waiting ticket
     assert s.slots.expire(now=104.0) == []
     assert [t.id for t in s.slots.expire(now=106.0)] == [theirs.id]  # held past hold_s
     assert s.reclaims == ["engine_gone", "hold_expired"]
@@ -136,7 +154,25 @@ def test_caps_unknown_and_bad_requests() -> None:
     with pytest.raises(TooManyParkedError):
         s.take("GPU-3", "d", pid=2)
     with pytest.raises(StartupSlotNotFoundError):
-        s.slots.give_back("b00t.0123", now=0.0)
+        s.slots.give_back("b00t.0123", now=0.0, caller=OWNER)
     with pytest.raises(DaemonRestartedError):
-        s.slots.get("0ld.0123", now=0.0)
+        s.slots.get("0ld.0123", now=0.0, caller=OWNER)
     assert s.slots.counts() == {"waiting": 0, "held": 3}
+
+
+def test_a_ticket_is_its_users_alone() -> None:
+    s = Slots(max_per_uid=1)
+    owner, neighbour = (
+        Caller(uid=4242, pid=None, via="unix"),
+        Caller(uid=4343, pid=None, via="unix"),
+    )
+    ticket = s.take("GPU-0", "a", uid=4242)
+    assert s.slots.entries(neighbour) == [] and [t for t, _ in s.slots.entries(owner)] == [ticket]
+    with pytest.raises(RegistrationNotYoursError):
+        s.slots.get(ticket.id, 1.0, neighbour)
+    with pytest.raises(RegistrationNotYoursError):
+        s.slots.give_back(ticket.id, 1.0, neighbour)
+    with pytest.raises(TooManyUserParkedError):
+        s.take("GPU-1", "b", uid=4242)
+    s.take("GPU-1", "b", uid=4343)
+    s.slots.give_back(ticket.id, 1.0, owner)
