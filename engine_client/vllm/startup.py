@@ -9,7 +9,9 @@ then take its GPU's start-up slot. Where in vLLM's worker this happens, and why
   past. So an engine parks inside that question: its snapshot is taken once it is released,
   when the engine it replaces has freed its memory (parked before it, the snapshot would see
   that engine's KV cache: refused by ``request_memory``, or failing the assertion once it is
-  freed). And it takes its GPU's start-up slot there, just before the snapshot.
+  freed). The driver frees a killed engine's memory seconds after its process is gone, so a
+  released engine first waits for that (:mod:`engine_client.freed_memory`). And it takes its
+  GPU's start-up slot there, just before the snapshot.
 - ``EngineCore._initialize_kv_caches`` profiles (``determine_available_memory``), allocates the
   KV cache (``initialize_from_config``) and then captures CUDA graphs
   (``compile_or_warm_up_model``): the slot is given back when the worker's
@@ -28,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from engine_client.client import ClientConfig
+from engine_client.freed_memory import wait_for_this_gpu
 from engine_client.loader_options import LoaderOptions
 from engine_client.parking import ParkingSpot, park_ahead
 from engine_client.startup_slot import take_startup_slot
@@ -81,6 +84,8 @@ def before_memory_snapshot(
         )
         if ended is not None and not options.fallback:
             raise ended
+        if ended is None and torch.cuda.is_available():
+            wait_for_this_gpu()
     if options.startup_slot_timeout > 0 and torch.cuda.is_available():
         slot = take_startup_slot(
             config, this_device(), group, tp_rank, tp_size, options.startup_slot_timeout
