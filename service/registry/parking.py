@@ -9,8 +9,7 @@ two leases ending in two sweeps release one waiting engine, not two.
 
 A registration is its caller's (:mod:`service.registry.lease_holders`): the process watched is
 the one the kernel proved, and it is read, released, cancelled or withdrawn only by its user or a
-trusted caller; one user holds at most ``max_per_uid`` registrations, one process
-``max_per_client``.
+trusted caller; one user and one process hold at most their share (:mod:`.waiting_caps`).
 
 Everything runs under the daemon's lock; ``on_change`` is told the id of every registration
 whose state changed (the API wakes its long-polls with it), ``on_release`` the cause of every
@@ -31,9 +30,6 @@ from protocol.errors import (
     NothingParkedError,
     ParkingNotFoundError,
     RegistrationNotYoursError,
-    TooManyClientParkedError,
-    TooManyParkedError,
-    TooManyUserParkedError,
 )
 from protocol.schemas.parking import (
     ParkedEngine,
@@ -43,6 +39,7 @@ from protocol.schemas.parking import (
     ReleaseCause,
 )
 from service.registry.lease_holders import Caller, Holder
+from service.registry.waiting_caps import WaitingCaps
 
 # Seconds a registration is kept past its last poll (or its end) without being asked for again.
 PARK_GRACE_S = 30.0
@@ -101,9 +98,7 @@ class ParkingLot:
         self,
         boot_id: str,
         lock: threading.RLock,
-        max_parked: int,
-        max_per_client: int,
-        max_per_uid: int,
+        caps: WaitingCaps,
         on_change: Callable[[str], None] | None = None,
         on_release: Callable[[ReleaseCause], None] | None = None,
         grace_s: float = PARK_GRACE_S,
@@ -114,9 +109,7 @@ class ParkingLot:
         self.known_model = known_model  # raises for a model the daemon does not hold
         self.serving = serving  # whether any engine holds a lease on a model
         self.lock = lock
-        self.max_parked = max_parked
-        self.max_per_client = max_per_client
-        self.max_per_uid = max_per_uid
+        self.caps = caps
         self.on_change = on_change
         self.on_release = on_release
         self.grace_s = grace_s
@@ -134,7 +127,12 @@ class ParkingLot:
         with self.lock:
             if self.known_model is not None:
                 self.known_model(req.model)
-            self._check_room(client_pid, holder)
+            self.caps.check(
+                "parked engines",
+                ((p.holder_uid, p.client_pid) for p in self.parked.values()),
+                holder,
+                client_pid,
+            )
             members = [self.parked[i] for i in self._groups.get(req.group, [])]
             if any(m.holder_uid != holder.uid for m in members):
                 raise RegistrationNotYoursError(
@@ -165,26 +163,6 @@ class ParkingLot:
             if req.if_serving and unserved and self._complete(req.group):
                 self._release_group(req.group, ReleaseCause.unserved, now)  # nobody to wait for
             return entry
-
-    def _check_room(self, client_pid: int, holder: Holder) -> None:
-        if len(self.parked) >= self.max_parked:
-            raise TooManyParkedError(
-                f"the daemon keeps at most {self.max_parked} parked engines",
-                limit=self.max_parked,
-            )
-        theirs = [p for p in self.parked.values() if p.holder_uid == holder.uid]
-        if holder.uid is not None and len(theirs) >= self.max_per_uid:
-            raise TooManyUserParkedError(
-                f"uid {holder.uid} has {len(theirs)} parked registrations",
-                uid=holder.uid,
-                limit=self.max_per_uid,
-            )
-        mine = sum(1 for p in self.parked.values() if p.client_pid == client_pid)
-        if mine >= self.max_per_client:
-            raise TooManyClientParkedError(
-                f"process {client_pid} has {mine} parked registrations",
-                limit=self.max_per_client,
-            )
 
     def get(self, parked_id: str, now: float, caller: Caller, wait_s: float = 0.0) -> Parked:
         """The registration, kept for its engine ``wait_s`` plus the grace from now on."""

@@ -14,7 +14,7 @@ other needs). A held slot whose engine dies is given back by the reaper, and one
 
 A ticket is its caller's, as a parked engine is (:mod:`service.registry.parking`): the process
 the kernel proved is the one watched, only its user or a trusted caller reads or gives it back,
-and one user holds at most ``max_per_uid`` tickets.
+and one user and one process hold at most their share (:mod:`.waiting_caps`).
 """
 
 from __future__ import annotations
@@ -29,13 +29,11 @@ from protocol.errors import (
     InvalidRequestError,
     RegistrationNotYoursError,
     StartupSlotNotFoundError,
-    TooManyClientParkedError,
-    TooManyParkedError,
-    TooManyUserParkedError,
 )
 from protocol.schemas.startup_slots import SlotRequest, SlotState, SlotTicket
 from service.logsafe import get_logger
 from service.registry.lease_holders import Caller, Holder
+from service.registry.waiting_caps import WaitingCaps
 
 log = get_logger(__name__)
 
@@ -80,9 +78,7 @@ class StartupSlots:
         self,
         boot_id: str,
         lock: threading.RLock,
-        max_tickets: int,
-        max_per_client: int,
-        max_per_uid: int,
+        caps: WaitingCaps,
         hold_s: float,
         on_change: Callable[[str], None] | None = None,
         on_reclaim: Callable[[str], None] | None = None,
@@ -90,9 +86,7 @@ class StartupSlots:
     ) -> None:
         self.boot_id = boot_id
         self.lock = lock
-        self.max_tickets = max_tickets
-        self.max_per_client = max_per_client
-        self.max_per_uid = max_per_uid
+        self.caps = caps
         self.hold_s = hold_s
         self.on_change = on_change
         self.on_reclaim = on_reclaim
@@ -104,24 +98,12 @@ class StartupSlots:
         the GPU is free, else waiting."""
         client_pid = holder.pid if holder.pid is not None else req.client_pid
         with self.lock:
-            if len(self.tickets) >= self.max_tickets:
-                raise TooManyParkedError(
-                    f"the daemon keeps at most {self.max_tickets} start-up slot tickets",
-                    limit=self.max_tickets,
-                )
-            theirs = [t for t in self.tickets.values() if t.holder_uid == holder.uid]
-            if holder.uid is not None and len(theirs) >= self.max_per_uid:
-                raise TooManyUserParkedError(
-                    f"uid {holder.uid} holds {len(theirs)} start-up slot tickets",
-                    uid=holder.uid,
-                    limit=self.max_per_uid,
-                )
-            mine = [t for t in self.tickets.values() if t.client_pid == client_pid]
-            if len(mine) >= self.max_per_client:
-                raise TooManyClientParkedError(
-                    f"process {client_pid} holds {len(mine)} start-up slot tickets",
-                    limit=self.max_per_client,
-                )
+            self.caps.check(
+                "start-up slot tickets",
+                ((t.holder_uid, t.client_pid) for t in self.tickets.values()),
+                holder,
+                client_pid,
+            )
             others = [t for t in self.tickets.values() if t.group == req.group]
             if any(t.holder_uid != holder.uid for t in others):
                 raise RegistrationNotYoursError(

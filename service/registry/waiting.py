@@ -9,6 +9,7 @@ from collections.abc import Callable
 from service.metrics import Metrics
 from service.registry.parking import ParkingLot
 from service.registry.startup_slots import StartupSlots
+from service.registry.waiting_caps import WaitingCaps
 from service.settings import DaemonSettings
 
 
@@ -22,12 +23,13 @@ class WaitingEngines:
         known_model: Callable[[str], object],
         serving: Callable[[str], bool],
     ) -> None:
+        caps = WaitingCaps(
+            settings.max_parked, settings.max_parked_per_uid, settings.max_parked_per_client
+        )
         self.parking = ParkingLot(
             boot_id,
             lock,
-            settings.max_parked,
-            settings.max_parked_per_client,
-            settings.max_parked_per_uid,
+            caps,
             on_release=lambda cause: metrics.parked_releases.labels(cause=cause.value).inc(),
             known_model=known_model,
             serving=serving,
@@ -35,9 +37,7 @@ class WaitingEngines:
         self.startup_slots = StartupSlots(
             boot_id,
             lock,
-            settings.max_parked,
-            settings.max_parked_per_client,
-            settings.max_parked_per_uid,
+            caps,
             settings.startup_slot_hold_s,
             on_reclaim=lambda why: metrics.startup_slot_reclaims.labels(why=why).inc(),
         )

@@ -23,6 +23,7 @@ from protocol.schemas.parking import ParkRequest, ParkState, ReleaseCause
 from service.registry.lease_holders import Caller, Holder
 from service.registry.leases import client_start
 from service.registry.parking import Parked, ParkingLot
+from service.registry.waiting_caps import WaitingCaps
 
 ME = os.getpid()
 OWNER = Caller.local()  # the daemon's own user: trusted
@@ -45,9 +46,7 @@ class Lot:
         self.lot = ParkingLot(
             "b00t",
             threading.RLock(),
-            max_parked,
-            max_per_client,
-            max_per_uid,
+            WaitingCaps(max_parked, max_per_uid, max_per_client),
             on_change=self.changed.append,
             on_release=self.releases.append,
             grace_s=10.0,

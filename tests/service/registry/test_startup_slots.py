@@ -21,6 +21,7 @@ from protocol.schemas.startup_slots import SlotRequest, SlotState
 from service.registry.lease_holders import Caller, Holder
 from service.registry.leases import client_start
 from service.registry.startup_slots import StartupSlots, Ticket
+from service.registry.waiting_caps import WaitingCaps
 
 ME = os.getpid()
 OWNER = Caller.local()  # the daemon's own user: trusted
@@ -35,9 +36,7 @@ class Slots:
         self.slots = StartupSlots(
             "b00t",
             threading.RLock(),
-            max_tickets,
-            max_per_client,
-            max_per_uid,
+            WaitingCaps(max_tickets, max_per_uid, max_per_client),
             hold_s=100.0,
             on_change=self.changed.append,
             on_reclaim=self.reclaims.append,
