@@ -214,6 +214,7 @@ class ModelTable:
             daemon=daemon,
             reserve=lambda nbytes: self._reserve(record, nbytes),
             opened=lambda ckpt: self._opened(record, ckpt),
+            cuda_handles=self.settings.cuda_handles,
         )
         thread = threading.Thread(
             target=self._run_load, args=(record, request), name=f"load-{model_id}", daemon=True
