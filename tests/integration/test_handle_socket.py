@@ -130,7 +130,9 @@ def test_another_user_is_refused_even_where_the_socket_is_reachable(
         daemon.stop()
         shutil.rmtree(run, ignore_errors=True)
     assert answer["code"] == "handle_refused"
-    assert "neither the daemon's user nor root" in str(answer["why"])
+    assert "uid 65534 is not the lease holder's (uid 0), the daemon's user or root" in str(
+        answer["why"]
+    )
 
 
 def test_garbage_on_the_socket_changes_nothing(daemon_process: DaemonProcess) -> None:
