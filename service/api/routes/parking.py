@@ -29,7 +29,6 @@ from protocol.schemas.parking import (
 from service.api.problems import problem_responses
 from service.api.routes.deps import CallerDep, DaemonDep, WaitsDep
 from service.registry.lease_holders import prove_holder
-from service.registry.parking import Parked
 
 router = APIRouter(
     prefix="/v1/parking", tags=["parking"], responses=problem_responses(401, 403, 422)
@@ -49,14 +48,11 @@ WaitS = Annotated[
     summary="Park one TP rank of an engine until it is released",
     responses=problem_responses(404, 429),
 )
-async def park(
+def park(
     body: ParkRequest, response: Response, daemon: DaemonDep, caller: CallerDep
 ) -> ParkedEngine:
-    def parked() -> Parked:
-        holder = prove_holder(caller, body.client_pid)  # reads /proc: before the lock
-        return daemon.parking.park(body, time.time(), holder)
-
-    entry = await run_in_threadpool(parked)
+    holder = prove_holder(caller, body.client_pid)  # reads /proc: before the lock
+    entry = daemon.parking.park(body, time.time(), holder)
     response.headers["Location"] = f"/v1/parking/{entry.id}"
     return entry.info(daemon.boot_id)
 
@@ -64,8 +60,8 @@ async def park(
 @router.get(
     "", response_model=list[ParkedEngine], summary="Every parked engine (rank) the caller may touch"
 )
-async def list_parked(daemon: DaemonDep, caller: CallerDep) -> list[ParkedEngine]:
-    entries = await run_in_threadpool(daemon.parking.entries, caller)
+def list_parked(daemon: DaemonDep, caller: CallerDep) -> list[ParkedEngine]:
+    entries = daemon.parking.entries(caller)
     return [e.info(daemon.boot_id) for e in entries]
 
 
@@ -91,8 +87,8 @@ async def get_parked(
     summary="Withdraw a registration (the engine's own, once it is done waiting)",
     responses=problem_responses(404, 409),
 )
-async def withdraw(parked_id: ParkedId, daemon: DaemonDep, caller: CallerDep) -> Response:
-    await run_in_threadpool(daemon.parking.withdraw, parked_id, caller)
+def withdraw(parked_id: ParkedId, daemon: DaemonDep, caller: CallerDep) -> Response:
+    daemon.parking.withdraw(parked_id, caller)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -102,14 +98,14 @@ async def withdraw(parked_id: ParkedId, daemon: DaemonDep, caller: CallerDep) ->
     summary="Release the oldest engine parked (every rank) for a model",
     responses=problem_responses(409),
 )
-async def release_oldest(
+def release_oldest(
     model_id: ModelId,
     daemon: DaemonDep,
     caller: CallerDep,
     tp_size: Annotated[int | None, Query(ge=1, le=64, description="default: any")] = None,
 ) -> list[ParkedEngine]:
-    released = await run_in_threadpool(
-        daemon.parking.release_oldest, model_id, tp_size, ReleaseCause.operator, time.time(), caller
+    released = daemon.parking.release_oldest(
+        model_id, tp_size, ReleaseCause.operator, time.time(), caller
     )
     return [e.info(daemon.boot_id) for e in released]
 
@@ -120,10 +116,8 @@ async def release_oldest(
     summary="Release this engine (all its ranks)",
     responses=problem_responses(404, 409),
 )
-async def release(parked_id: ParkedId, daemon: DaemonDep, caller: CallerDep) -> list[ParkedEngine]:
-    released = await run_in_threadpool(
-        daemon.parking.release, parked_id, ReleaseCause.operator, time.time(), caller
-    )
+def release(parked_id: ParkedId, daemon: DaemonDep, caller: CallerDep) -> list[ParkedEngine]:
+    released = daemon.parking.release(parked_id, ReleaseCause.operator, time.time(), caller)
     return [e.info(daemon.boot_id) for e in released]
 
 
@@ -133,6 +127,6 @@ async def release(parked_id: ParkedId, daemon: DaemonDep, caller: CallerDep) -> 
     summary="Cancel this engine (all its ranks): it falls back or fails, per its options",
     responses=problem_responses(404, 409),
 )
-async def cancel(parked_id: ParkedId, daemon: DaemonDep, caller: CallerDep) -> list[ParkedEngine]:
-    cancelled = await run_in_threadpool(daemon.parking.cancel, parked_id, time.time(), caller)
+def cancel(parked_id: ParkedId, daemon: DaemonDep, caller: CallerDep) -> list[ParkedEngine]:
+    cancelled = daemon.parking.cancel(parked_id, time.time(), caller)
     return [e.info(daemon.boot_id) for e in cancelled]

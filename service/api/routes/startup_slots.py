@@ -36,17 +36,11 @@ WaitS = Annotated[
     summary="Ask for a GPU's start-up slot (held at once if free, else waiting)",
     responses=problem_responses(429),
 )
-async def take(
-    body: SlotRequest, response: Response, daemon: DaemonDep, caller: CallerDep
-) -> SlotTicket:
+def take(body: SlotRequest, response: Response, daemon: DaemonDep, caller: CallerDep) -> SlotTicket:
     slots = daemon.startup_slots
-
-    def taken() -> SlotTicket:
-        holder = prove_holder(caller, body.client_pid)  # reads /proc: before the lock
-        ticket = slots.take(body, time.time(), holder)
-        return ticket.info(daemon.boot_id, slots.ahead(ticket))
-
-    info = await run_in_threadpool(taken)
+    holder = prove_holder(caller, body.client_pid)  # reads /proc: before the lock
+    ticket = slots.take(body, time.time(), holder)
+    info = ticket.info(daemon.boot_id, slots.ahead(ticket))
     response.headers["Location"] = f"/v1/startup-slots/{info.id}"
     return info
 
@@ -54,8 +48,8 @@ async def take(
 @router.get(
     "", response_model=list[SlotTicket], summary="Every start-up slot ticket the caller may touch"
 )
-async def list_tickets(daemon: DaemonDep, caller: CallerDep) -> list[SlotTicket]:
-    entries = await run_in_threadpool(daemon.startup_slots.entries, caller)
+def list_tickets(daemon: DaemonDep, caller: CallerDep) -> list[SlotTicket]:
+    entries = daemon.startup_slots.entries(caller)
     return [t.info(daemon.boot_id, ahead) for t, ahead in entries]
 
 
@@ -86,6 +80,6 @@ async def get_ticket(
     summary="Give the slot back (or stop waiting for it)",
     responses=problem_responses(404, 409),
 )
-async def give_back(ticket_id: TicketId, daemon: DaemonDep, caller: CallerDep) -> Response:
-    await run_in_threadpool(daemon.startup_slots.give_back, ticket_id, time.time(), caller)
+def give_back(ticket_id: TicketId, daemon: DaemonDep, caller: CallerDep) -> Response:
+    daemon.startup_slots.give_back(ticket_id, time.time(), caller)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
