@@ -122,10 +122,17 @@ def _model_id(case: Case) -> str:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, Path]]:
-    """One daemon holding every checkpoint variant at the TP sizes the cases use."""
+    """One daemon holding every checkpoint variant at the TP sizes the cases use, all loading
+    at once (past the default cap of concurrent loads)."""
     root = tmp_path_factory.mktemp("variants")
     daemon = start_daemon(
-        tmp_path_factory.mktemp("daemon"), [], "--allowed-root", str(root), wait_ready=False
+        tmp_path_factory.mktemp("daemon"),
+        [],
+        "--allowed-root",
+        str(root),
+        "--max-concurrent-loads",
+        "64",
+        wait_ready=False,
     )
     try:
         with httpx.Client(base_url=daemon.url, timeout=30) as http:
