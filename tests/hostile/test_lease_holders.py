@@ -17,7 +17,7 @@ import pytest
 from tests.daemon_process import DaemonProcess, lease_body, start_daemon
 from tests.hostile.memory import RssBack
 from tests.hostile.probe import HealthProbe
-from tests.hostile.users import NOBODY, OTHER, UserAgent, needs_root
+from tests.hostile.users import NOBODY, OTHER, UserAgent, needs_root, process_of
 
 CAPS = {
     "WEIGHT_CACHE_MAX_LEASES": "40",
@@ -79,35 +79,25 @@ def test_a_zombie_client_is_not_a_client(shared: DaemonProcess) -> None:
 def test_a_neighbour_cannot_lease_in_a_victims_process(shared: DaemonProcess) -> None:
     """Leases taken in a live victim's PID used to make the victim's own lease fail with 429:
     another user's PID is refused, and the victim keeps its whole allowance."""
-    victim = subprocess.Popen(  # a process of another user, alive until its stdin closes
-        ["cat"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        user=OTHER,
-        group=OTHER,
-        extra_groups=[],
-    )
-    try:
-        with UserAgent(shared.url, NOBODY) as neighbour:
-            for _ in range(30):
-                status, body = neighbour.request(
-                    "POST", "/v1/leases", lease_body(client_pid=victim.pid)
-                )
-                assert status == 403 and body["code"] == "client_not_yours"
-            status, body = neighbour.request("POST", "/v1/leases", lease_body(client_pid=1))
-            assert status == 403 and body["code"] == "client_not_yours"  # init is root's
-        with UserAgent(shared.url, OTHER) as same_user:
-            for _ in range(10):  # the victim's own user leases for it, up to the process cap
-                status, body = same_user.request(
-                    "POST", "/v1/leases", lease_body(client_pid=victim.pid)
-                )
-                assert status == 201, body
-                assert body["lease"]["holder_uid"] == OTHER
-    finally:
-        assert victim.stdin is not None
-        victim.stdin.close()
-        victim.wait(30)
-        _release_all(shared)
+    with process_of(OTHER) as victim:
+        try:
+            with UserAgent(shared.url, NOBODY) as neighbour:
+                for _ in range(30):
+                    status, body = neighbour.request(
+                        "POST", "/v1/leases", lease_body(client_pid=victim.pid)
+                    )
+                    assert status == 403 and body["code"] == "client_not_yours"
+                status, body = neighbour.request("POST", "/v1/leases", lease_body(client_pid=1))
+                assert status == 403 and body["code"] == "client_not_yours"  # init is root's
+            with UserAgent(shared.url, OTHER) as same_user:
+                for _ in range(10):  # the victim's own user leases for it, up to the process cap
+                    status, body = same_user.request(
+                        "POST", "/v1/leases", lease_body(client_pid=victim.pid)
+                    )
+                    assert status == 201, body
+                    assert body["lease"]["holder_uid"] == OTHER
+        finally:
+            _release_all(shared)
 
 
 @needs_root

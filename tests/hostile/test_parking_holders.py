@@ -6,7 +6,6 @@ user over loopback TCP (``--trust-local-users``)."""
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import httpx
 import pytest
 
 from tests.daemon_process import DaemonProcess, start_daemon
-from tests.hostile.users import NOBODY, OTHER, UserAgent, needs_root
+from tests.hostile.users import NOBODY, OTHER, UserAgent, needs_root, process_of
 
 CAPS = {
     "WEIGHT_CACHE_MAX_PARKED": "12",
@@ -114,21 +113,16 @@ def test_start_up_slots_are_private_to_their_user(shared: DaemonProcess) -> None
 def test_a_neighbour_cannot_park_in_a_victims_process_or_take_every_place(
     shared: DaemonProcess,
 ) -> None:
-    victim = subprocess.Popen(  # a process of another user, alive until its stdin closes
-        ["cat"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        user=OTHER,
-        group=OTHER,
-        extra_groups=[],
-    )
     agents = [UserAgent(shared.url, NOBODY) for _ in range(2)]
     try:
         neighbour = agents[0]
-        status, body = neighbour.request("POST", "/v1/parking", park_body(victim.pid, "v"))
-        assert status == 403 and body["code"] == "client_not_yours", body
-        status, body = neighbour.request("POST", "/v1/startup-slots", slot_body(victim.pid, "v"))
-        assert status == 403 and body["code"] == "client_not_yours", body
+        with process_of(OTHER) as victim:
+            status, body = neighbour.request("POST", "/v1/parking", park_body(victim.pid, "v"))
+            assert status == 403 and body["code"] == "client_not_yours", body
+            status, body = neighbour.request(
+                "POST", "/v1/startup-slots", slot_body(victim.pid, "v")
+            )
+            assert status == 403 and body["code"] == "client_not_yours", body
         status, body = neighbour.request("POST", "/v1/parking", park_body(4_000_000, "ghost"))
         assert status == 403 and body["code"] == "client_not_visible", body
         codes = [
@@ -144,9 +138,6 @@ def test_a_neighbour_cannot_park_in_a_victims_process_or_take_every_place(
             status, body = other.request("POST", "/v1/parking", park_body(other.pid, "o"))
             assert status == 201, body
     finally:
-        assert victim.stdin is not None
-        victim.stdin.close()
-        victim.wait(30)
         for agent in agents:
             agent.close()
         _clear(shared)

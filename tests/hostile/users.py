@@ -4,10 +4,12 @@ as a line of JSON and staying alive (its leases watched) until told to go."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -93,3 +95,22 @@ class UserAgent:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def process_of(uid: int) -> Iterator[subprocess.Popen[bytes]]:
+    """A live process of ``uid`` (a victim whose PID a neighbour names), until the block ends."""
+    victim = subprocess.Popen(
+        ["cat"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        user=uid,
+        group=uid,
+        extra_groups=[],
+    )
+    try:
+        yield victim
+    finally:
+        assert victim.stdin is not None
+        victim.stdin.close()
+        victim.wait(30)
