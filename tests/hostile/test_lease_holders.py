@@ -18,6 +18,7 @@ from tests.daemon_process import DaemonProcess, lease_body, start_daemon
 from tests.hostile.memory import RssBack
 from tests.hostile.probe import HealthProbe
 from tests.hostile.users import NOBODY, OTHER, UserAgent, needs_root, process_of
+from tests.waiting import wait_for
 
 CAPS = {
     "WEIGHT_CACHE_MAX_LEASES": "40",
@@ -149,3 +150,28 @@ def test_leases_are_private_to_their_user(shared: DaemonProcess) -> None:
         everyone = httpx.get(f"{shared.url}/v1/leases").json()  # the daemon's user: all
         assert [x["id"] for x in everyone] == [lease["id"]]
         assert holder.request("DELETE", path)[0] == 204
+
+
+def test_a_token_holders_engine_out_of_sight_holds_its_lease_by_ttl(
+    tmp_path: Path, tiny_fp8: Path
+) -> None:
+    """An engine in a container of its own (compose, a pod) leases over TCP with the token, and
+    its pid names no process here: the lease is held unwatched and ends with its TTL (without
+    the token such a pid is refused: ``test_pids_the_daemon_cannot_see_are_refused``)."""
+    token = "s3cret-token-0123456789"
+    daemon = start_daemon(
+        tmp_path, [tiny_fp8], "--model-id", "tiny", env={"WEIGHT_CACHE_TOKEN": token}
+    )
+    try:
+        with httpx.Client(base_url=daemon.url) as client:
+            out_of_sight = lease_body(client_pid=4_000_000, ttl_s=1.0)
+            auth = {"authorization": f"Bearer {token}"}
+            r = client.post("/v1/leases", json=out_of_sight, headers=auth)
+            assert r.status_code == 201, r.text
+            lease = r.json()["lease"]
+            assert not lease["pid_watched"] and lease["holder_pid"] is None
+            path = f"/v1/leases/{lease['id']}"
+            wait_for(lambda: client.get(path, headers=auth).status_code == 410, timeout=15)
+            assert client.get(path, headers=auth).json()["code"] == "lease_expired"
+    finally:
+        daemon.stop()
