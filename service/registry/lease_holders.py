@@ -10,7 +10,8 @@ says alone:
   (the kernel says pid 0) holds its lease by its uid alone, unwatched (its TTL ends it), and
   one whose ``client_pid`` is not visible holds it by the process that connected. A caller
   that showed the daemon's token (an engine in another container, over TCP) holds a lease for a
-  process out of sight unwatched, as one in another PID namespace does.
+  process out of sight unwatched, as one in another PID namespace does; one that connects from
+  another network namespace or host (its uid unknown) always does, its pid naming nothing here.
 - A lease is read, renewed or released, and listed, only by its holder's user or by a trusted
   caller: one that showed the daemon's token, root, or the daemon's own user (they could read
   its memory anyway).
@@ -87,6 +88,11 @@ def prove_holder(caller: Caller, client_pid: int) -> Holder:
         # The kernel said pid 0: the caller lives in another PID namespace, and client_pid is a
         # number of that namespace. Its uid is proven; nothing here can watch its process.
         return Holder(uid=caller.uid, pid=None, pid_start=None)
+    if caller.via == "tcp" and caller.uid is None and caller.token:
+        # A peer in another network namespace or host (an engine in a container of its own):
+        # its client_pid is a number of its own PID namespace and names nothing here, even
+        # where a process of ours has that number. Its TTL ends what it no longer renews.
+        return Holder(uid=None, pid=None, pid_start=None)
     seen = _visible(client_pid)
     if seen is None and caller.via == "unix" and caller.pid is not None:
         client_pid, seen = caller.pid, _visible(caller.pid)  # the process that connected

@@ -27,3 +27,11 @@ def test_a_process_out_of_sight_is_refused_without_the_token() -> None:
 def test_a_token_holders_process_out_of_sight_holds_by_its_ttl() -> None:
     holder = prove_holder(Caller(uid=None, pid=None, token=True), OUT_OF_SIGHT)
     assert (holder.uid, holder.pid, holder.watched) == (None, None, False)
+
+
+def test_a_remote_token_holders_pid_names_nothing_here() -> None:
+    """A peer from another network namespace (uid unknown) names a pid of its own namespace:
+    even where a process here has that number (this one), nothing is watched for it."""
+    remote = Caller(uid=None, pid=None, token=True, via="tcp")
+    holder = prove_holder(remote, os.getpid())
+    assert (holder.uid, holder.pid, holder.watched) == (None, None, False)
