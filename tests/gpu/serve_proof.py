@@ -12,7 +12,10 @@ run on one GPU:
 * ``standby``: two engines on the GPU behind the proxy under a steady stream of requests;
   ``kill -9`` of one, failed requests counted, the slowest during the kill reported;
 * ``daemon``: ``kill -9`` of the daemon under an engine serving a stream; the same daemon
-  command started again; the model ready again from the keeper, the lease taken over.
+  command started again; the model ready again from the keeper, the lease taken over;
+* ``crowd``: ``--crowd`` engines started at the same moment on the GPU, ``--crowd-utilization``
+  of it each (four at 0.12 once left one a negative KV cache in vLLM's profiling): every one
+  must start and answer, the start-up slots taking them through their sizing one at a time.
 
 Token ids are compared with the default loader's; every process's GPU memory is read from the
 driver. Writes ``summary.json`` and ``table.md`` under ``--out`` after every step (a call cut off
@@ -49,7 +52,7 @@ from tests.gpu.serve_engine import ServeEngine, loader_config, serve_environment
 from tests.gpu.serve_report import evaluate, reference_tokens, render
 from tests.gpu.vllm_engine import PROMPTS
 
-SCENARIOS = ("restart", "parked", "standby", "daemon")
+SCENARIOS = ("restart", "parked", "standby", "daemon", "crowd")
 ENGINE_START_S = 60.0  # a warm `vllm serve` of the 8B shape answered in 31-36 s on the H200
 COLD_EXTRA_S = 45.0  # torch.compile with an empty cache
 COLD_COMPILE_S = 15.0  # a start that compiled this long had no cache (warm: 1-3 s)
@@ -185,24 +188,27 @@ class ServeProof:
 
     # --- engines -------------------------------------------------------------------------------
 
-    def engine_argv(self, port: int, load_format: str, loader: dict[str, Any] | None) -> list[str]:
+    def engine_argv(
+        self, port: int, load_format: str, loader: dict[str, Any] | None, utilization: float
+    ) -> list[str]:
         return vllm_serve_argv(
-            self.checkpoint,
-            port,
-            load_format,
-            loader=loader,
-            gpu_memory_utilization=self.args.gpu_memory_utilization,
+            self.checkpoint, port, load_format, loader=loader, gpu_memory_utilization=utilization
         )
 
     def start_engine(
-        self, name: str, load_format: str, extra: dict[str, Any] | None = None
+        self,
+        name: str,
+        load_format: str,
+        extra: dict[str, Any] | None = None,
+        utilization: float | None = None,
     ) -> ServeEngine:
         assert self.daemon is not None
         loader = None
         if load_format == "weight_cache":
             loader = loader_config(self.daemon.command.url, extra)
         port = free_port()
-        argv = self.engine_argv(port, load_format, loader)
+        share = self.args.gpu_memory_utilization if utilization is None else utilization
+        argv = self.engine_argv(port, load_format, loader, share)
         engine = ServeEngine(name, argv, port, self.logs / f"{name}.log", self.env)
         self.started.append(engine)
         return engine
@@ -213,6 +219,13 @@ class ServeProof:
         """Start an engine, time it to ``/health`` and its first answer, ask every prompt, and
         record its phases and GPU memory under ``runs``."""
         engine = self.start_engine(name, load_format)
+        return engine, self.finish_run(engine, load_format, scenario, warming)
+
+    def finish_run(
+        self, engine: ServeEngine, load_format: str, scenario: str, warming: bool = False
+    ) -> dict[str, Any]:
+        """Wait for a started engine's ``/health`` and first answer, as :meth:`serve_run`."""
+        name = engine.name
         run: dict[str, Any] = {"scenario": scenario, "load_format": load_format, "ok": False}
         run["pid"] = engine.process.pid
         self.summary["runs"][name] = run
@@ -238,7 +251,7 @@ class ServeProof:
             f"{run.get('to_first_token_s')} s, loading {run['phases'].get('model_loading_s')} s",
             flush=True,
         )
-        return engine, run
+        return run
 
     def start_proxy(self, upstreams: list[ServeEngine]) -> CaddyProxy:
         caddy = find_caddy(self.args.caddy)
@@ -401,6 +414,23 @@ class ServeProof:
         restart["memory_after"] = self.memory(engine)
         engine.stop()
 
+    def scenario_crowd(self) -> None:
+        count, share = self.args.crowd, self.args.crowd_utilization
+        if not self.fits("crowd", 2 * ENGINE_START_S + count * 15):
+            return
+        crowd: dict[str, Any] = {"engines": count, "utilization": share}
+        self.summary["scenarios"]["crowd"] = crowd
+        engines = [
+            self.start_engine(f"C{i}", "weight_cache", utilization=share)
+            for i in range(1, count + 1)
+        ]
+        runs = [self.finish_run(engine, "weight_cache", "crowd") for engine in engines]
+        crowd["answered"] = sum(1 for run in runs if run["ok"])
+        crowd["to_health_s"] = [run.get("to_health_s") for run in runs]
+        crowd["memory"] = self.memory(*engines)
+        for engine in engines:
+            engine.stop()
+
     # --- the whole proof -----------------------------------------------------------------------
 
     def stop_engines(self, keep: ServeEngine | None = None) -> None:
@@ -470,6 +500,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--park-timeout", type=float, default=600)
     p.add_argument("--after-kill-s", type=float, default=8, help="standby: stream after the kill")
     p.add_argument("--stream-workers", type=int, default=2)
+    p.add_argument("--crowd", type=int, default=4, help="crowd: engines started at once")
+    p.add_argument("--crowd-utilization", type=float, default=0.12, help="crowd: each engine's")
     return p.parse_args(argv)
 
 

@@ -167,6 +167,12 @@ def evaluate(summary: dict[str, Any]) -> list[dict[str, Any]]:
         checks += _stream_checks("hot standby", scenarios["standby"].get("account"))
     if "daemon_restart" in scenarios:
         checks += _daemon_checks(scenarios["daemon_restart"])
+    if "crowd" in scenarios:
+        crowd = scenarios["crowd"]
+        what = f"crowd: every engine started at once answered ({crowd.get('answered', 0)} of "
+        checks.append(
+            _check(what + f"{crowd['engines']})", crowd.get("answered") == crowd["engines"])
+        )
     return checks
 
 
@@ -309,6 +315,17 @@ def render(summary: dict[str, Any]) -> str:
     if "daemon_restart" in summary.get("scenarios", {}):
         out += ["## The daemon killed and started again under a serving engine", ""]
         out += [*daemon_table(summary["scenarios"]["daemon_restart"]), ""]
+    if "crowd" in summary.get("scenarios", {}):
+        crowd = summary["scenarios"]["crowd"]
+        healths = ", ".join(_s(t) for t in crowd.get("to_health_s", []))
+        out += [
+            f"## {crowd['engines']} engines started at once, "
+            f"{crowd['utilization']} of the GPU each",
+            "",
+            f"Answered: {crowd.get('answered', 0)} of {crowd['engines']}; to /health: {healths}; "
+            f"GPU memory: {memory_cell(crowd.get('memory'))}.",
+            "",
+        ]
     checks = summary.get("checks", [])
     failed = [c for c in checks if not c["ok"]]
     out += [f"## Checks: {len(checks) - len(failed)} passed, {len(failed)} failed", ""]

@@ -27,7 +27,9 @@ class HarnessOnCpu(ServeProof):
     shape, scheme = "tiny", "fp8"
     checkpoint_device, daemon_device = "cpu", "cpu"
 
-    def engine_argv(self, port: int, load_format: str, loader: dict[str, Any] | None) -> list[str]:
+    def engine_argv(
+        self, port: int, load_format: str, loader: dict[str, Any] | None, utilization: float
+    ) -> list[str]:
         argv = [sys.executable, "-m", "tests.gpu.token_server", "--port", str(port)]
         if loader is not None:  # weight_cache: lease the model as the engine would
             argv += ["--attach", loader["url"], "--checkpoint", str(self.checkpoint)]
@@ -53,11 +55,12 @@ def test_the_scenarios_run_and_write_their_results(
         if not caddyfile.exists():
             caddyfile = tmp_path / "Caddyfile"
             caddyfile.write_text(TEST_CADDYFILE)
-    scenarios.append("daemon")
+    scenarios += ["daemon", "crowd"]
     out = tmp_path / "out"
     argv = ["--out", str(out), "--root", str(tmp_path / "ckpt"), "--work", str(tmp_path / "w")]
     argv += ["--scenarios", *scenarios, "--keeper", "auto" if HAS_KEEPER else "unset"]
     argv += ["--caddyfile", str(caddyfile), "--budget-s", "900", "--after-kill-s", "1"]
+    argv += ["--crowd", "3"]
     code = HarnessOnCpu(parse_args(argv)).main()
 
     summary = json.loads((out / "summary.json").read_text())
@@ -101,7 +104,13 @@ def test_the_scenarios_run_and_write_their_results(
         assert standby["account"]["ok"] > 0 and standby["account"]["wrong_tokens"] == 0
         assert standby["account"]["slowest_in_window_s"] is not None
         assert restart["engine"] == "H2"  # the standby that survived served on
+    crowd = summary["scenarios"]["crowd"]
+    assert crowd["answered"] == 3 and all(t > 0 for t in crowd["to_health_s"])
+    assert checks["crowd: every engine started at once answered"]
+    for name in ("C1", "C2", "C3"):
+        assert checks[f"{name}: token ids equal the default loader's"]
     table = (out / "table.md").read_text()
+    assert "## 3 engines started at once" in table
     assert "| A1 (auto) |" in table and "## The daemon killed and started again" in table
     assert (out / "logs.tar.gz").stat().st_size > 0
 
