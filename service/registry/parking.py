@@ -9,7 +9,7 @@ two leases ending in two sweeps release one waiting engine, not two.
 
 A registration is its caller's (:mod:`service.registry.lease_holders`): the process watched is
 the one the kernel proved, and it is read, released, cancelled or withdrawn only by its user or a
-trusted caller; one user and one process hold at most their share (:mod:`.waiting_caps`).
+trusted caller; one user and one process hold at most their share (:mod:`.waiting_rules`).
 
 Everything runs under the daemon's lock; ``on_change`` is told the id of every registration
 whose state changed (the API wakes its long-polls with it), ``on_release`` the cause of every
@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 from protocol.errors import (
     DaemonRestartedError,
-    InvalidRequestError,
     NothingParkedError,
     ParkingNotFoundError,
     RegistrationNotYoursError,
@@ -39,7 +38,7 @@ from protocol.schemas.parking import (
     ReleaseCause,
 )
 from service.registry.lease_holders import Caller, Holder
-from service.registry.waiting_caps import WaitingCaps
+from service.registry.waiting_rules import Member, WaitingCaps, check_joins_group
 
 # Seconds a registration is kept past its last poll (or its end) without being asked for again.
 PARK_GRACE_S = 30.0
@@ -133,17 +132,14 @@ class ParkingLot:
                 holder,
                 client_pid,
             )
-            members = [self.parked[i] for i in self._groups.get(req.group, [])]
-            if any(m.holder_uid != holder.uid for m in members):
-                raise RegistrationNotYoursError(
-                    f"group {req.group} is parked by another user", group=req.group
-                )
-            if any(m.key != (req.model, req.tp_size) or m.tp_rank == req.tp_rank for m in members):
-                raise InvalidRequestError(
-                    f"group {req.group} already parks rank {req.tp_rank} or another model or "
-                    "TP size: each rank of one engine parks once, under one group",
-                    group=req.group,
-                )
+            check_joins_group(
+                req.group,
+                (
+                    Member(m.holder_uid, m.tp_rank, m.tp_size, m.model)
+                    for m in self._members(req.group)
+                ),
+                Member(holder.uid, req.tp_rank, req.tp_size, req.model),
+            )
             entry = Parked(
                 id=f"{self.boot_id}.{secrets.token_hex(12)}",
                 model=req.model,

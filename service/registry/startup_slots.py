@@ -14,7 +14,7 @@ other needs). A held slot whose engine dies is given back by the reaper, and one
 
 A ticket is its caller's, as a parked engine is (:mod:`service.registry.parking`): the process
 the kernel proved is the one watched, only its user or a trusted caller reads or gives it back,
-and one user and one process hold at most their share (:mod:`.waiting_caps`).
+and one user and one process hold at most their share (:mod:`.waiting_rules`).
 """
 
 from __future__ import annotations
@@ -26,14 +26,13 @@ from dataclasses import dataclass
 
 from protocol.errors import (
     DaemonRestartedError,
-    InvalidRequestError,
     RegistrationNotYoursError,
     StartupSlotNotFoundError,
 )
 from protocol.schemas.startup_slots import SlotRequest, SlotState, SlotTicket
 from service.logsafe import get_logger
 from service.registry.lease_holders import Caller, Holder
-from service.registry.waiting_caps import WaitingCaps
+from service.registry.waiting_rules import Member, WaitingCaps, check_joins_group
 
 log = get_logger(__name__)
 
@@ -104,17 +103,15 @@ class StartupSlots:
                 holder,
                 client_pid,
             )
-            others = [t for t in self.tickets.values() if t.group == req.group]
-            if any(t.holder_uid != holder.uid for t in others):
-                raise RegistrationNotYoursError(
-                    f"group {req.group} asked for its slot as another user", group=req.group
-                )
-            if any(t.tp_size != req.tp_size or t.tp_rank == req.tp_rank for t in others):
-                raise InvalidRequestError(
-                    f"group {req.group} already asked for rank {req.tp_rank}, or at another TP "
-                    "size: each rank of one engine asks once, under one group",
-                    group=req.group,
-                )
+            check_joins_group(
+                req.group,
+                (
+                    Member(t.holder_uid, t.tp_rank, t.tp_size, None)
+                    for t in self.tickets.values()
+                    if t.group == req.group
+                ),
+                Member(holder.uid, req.tp_rank, req.tp_size, None),
+            )
             ticket = Ticket(
                 id=f"{self.boot_id}.{secrets.token_hex(12)}",
                 device=req.device,

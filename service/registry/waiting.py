@@ -9,7 +9,7 @@ from collections.abc import Callable
 from service.metrics import Metrics
 from service.registry.parking import ParkingLot
 from service.registry.startup_slots import StartupSlots
-from service.registry.waiting_caps import WaitingCaps
+from service.registry.waiting_rules import WaitingCaps
 from service.settings import DaemonSettings
 
 
