@@ -23,7 +23,7 @@ from protocol.schemas.parking import ParkRequest, ParkState, ReleaseCause
 from service.registry.lease_holders import Caller, Holder
 from service.registry.leases import client_start
 from service.registry.parking import Parked, ParkingLot
-from service.registry.waiting_caps import WaitingCaps
+from service.registry.waiting_rules import WaitingCaps
 
 ME = os.getpid()
 OWNER = Caller.local()  # the daemon's own user: trusted

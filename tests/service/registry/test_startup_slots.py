@@ -21,7 +21,7 @@ from protocol.schemas.startup_slots import SlotRequest, SlotState
 from service.registry.lease_holders import Caller, Holder
 from service.registry.leases import client_start
 from service.registry.startup_slots import StartupSlots, Ticket
-from service.registry.waiting_caps import WaitingCaps
+from service.registry.waiting_rules import WaitingCaps
 
 ME = os.getpid()
 OWNER = Caller.local()  # the daemon's own user: trusted
