@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine_client.answers import parse_answer
 from engine_client.client import ApiCall, ClientConfig, DaemonClient
+from engine_client.registrations import Registrations
 from protocol.errors import (
     DaemonRestartedError,
     DaemonUnavailableError,
@@ -54,26 +54,20 @@ class ParkingSpot:
     if_serving: bool = False  # released at once when no engine holds a lease on the model
 
 
+PARKING = Registrations("/v1/parking", ParkedEngine)
+
+
 def _park(spot: ParkingSpot) -> ApiCall[ParkedEngine]:
-    body = ParkRequest(
-        model=spot.model,
-        tp_rank=spot.tp_rank,
-        tp_size=spot.tp_size,
-        client_pid=os.getpid(),
-        group=spot.group,
-        if_serving=spot.if_serving,
-    ).model_dump(mode="json")
-    read = lambda r: parse_answer(ParkedEngine, r.content)  # noqa: E731
-    return ApiCall("POST", "/v1/parking", read, idempotent=False, json=body)
-
-
-def _ask(parked_id: str, wait_s: float) -> ApiCall[ParkedEngine]:
-    read = lambda r: parse_answer(ParkedEngine, r.content)  # noqa: E731
-    return ApiCall("GET", f"/v1/parking/{parked_id}?wait_s={wait_s:.3f}", read)
-
-
-def _withdraw(parked_id: str) -> ApiCall[None]:
-    return ApiCall("DELETE", f"/v1/parking/{parked_id}", lambda r: None)
+    return PARKING.register(
+        ParkRequest(
+            model=spot.model,
+            tp_rank=spot.tp_rank,
+            tp_size=spot.tp_size,
+            client_pid=os.getpid(),
+            group=spot.group,
+            if_serving=spot.if_serving,
+        )
+    )
 
 
 def wait_until_released(
@@ -111,7 +105,7 @@ def wait_until_released(
                         parked.tp_size,
                         parked.group,
                     )
-                parked = client.send(_ask(parked.id, min(poll_s, left, MAX_WAIT_S)))
+                parked = client.send(PARKING.ask(parked.id, min(poll_s, left, MAX_WAIT_S)))
             except DaemonUnavailableError as exc:
                 log.warning("weight-cache: parked, daemon unreachable (%s); retrying", exc.detail)
                 time.sleep(min(RETRY_S, max(0.0, left)))
@@ -140,7 +134,7 @@ def _give_up(client: DaemonClient, parked: ParkedEngine | None) -> None:
     if parked is None:
         return
     try:
-        client.send(_withdraw(parked.id))
+        client.send(PARKING.withdraw(parked.id))
     except WeightCacheError as exc:
         log.debug("withdrawing parked engine %s: %s", parked.id, exc)
 

@@ -18,8 +18,8 @@ import os
 import threading
 import time
 
-from engine_client.answers import parse_answer
 from engine_client.client import ApiCall, ClientConfig, DaemonClient
+from engine_client.registrations import Registrations
 from protocol.errors import DaemonUnavailableError, WeightCacheError
 from protocol.schemas.parking import MAX_WAIT_S
 from protocol.schemas.startup_slots import SlotRequest, SlotState, SlotTicket
@@ -29,21 +29,15 @@ log = logging.getLogger(__name__)
 POLL_S = 30.0
 
 
+SLOTS = Registrations("/v1/startup-slots", SlotTicket)
+
+
 def _take(device: str, group: str, tp_rank: int, tp_size: int) -> ApiCall[SlotTicket]:
-    body = SlotRequest(
-        device=device, tp_rank=tp_rank, tp_size=tp_size, client_pid=os.getpid(), group=group
-    ).model_dump(mode="json")
-    read = lambda r: parse_answer(SlotTicket, r.content)  # noqa: E731
-    return ApiCall("POST", "/v1/startup-slots", read, idempotent=False, json=body)
-
-
-def _ask(ticket_id: str, wait_s: float) -> ApiCall[SlotTicket]:
-    read = lambda r: parse_answer(SlotTicket, r.content)  # noqa: E731
-    return ApiCall("GET", f"/v1/startup-slots/{ticket_id}?wait_s={wait_s:.3f}", read)
-
-
-def _give_back(ticket_id: str) -> ApiCall[None]:
-    return ApiCall("DELETE", f"/v1/startup-slots/{ticket_id}", lambda r: None)
+    return SLOTS.register(
+        SlotRequest(
+            device=device, tp_rank=tp_rank, tp_size=tp_size, client_pid=os.getpid(), group=group
+        )
+    )
 
 
 class StartupSlot:
@@ -67,7 +61,7 @@ class StartupSlot:
         self._given_back.set()
         try:
             with DaemonClient(self.config) as client:
-                client.send(_give_back(self.ticket.id))
+                client.send(SLOTS.withdraw(self.ticket.id))
         except WeightCacheError as exc:  # a restarted daemon, a reclaimed slot: nothing held
             log.info("weight-cache: giving back the start-up slot: %s", exc.detail)
             return
@@ -100,7 +94,7 @@ def take_startup_slot(
             while ticket.state is not SlotState.held:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    client.send(_give_back(ticket.id))
+                    client.send(SLOTS.withdraw(ticket.id))
                     log.warning(
                         "weight-cache: waited %.0f s for the start-up slot of %s (%d engine(s) "
                         "still ahead); starting without it: vLLM's profiling may count their "
@@ -118,7 +112,7 @@ def take_startup_slot(
                         ticket.ahead,
                     )
                     announced = True
-                ticket = client.send(_ask(ticket.id, min(poll_s, left, MAX_WAIT_S)))
+                ticket = client.send(SLOTS.ask(ticket.id, min(poll_s, left, MAX_WAIT_S)))
         except DaemonUnavailableError as exc:
             log.info("weight-cache: no start-up slot (%s): starting without one", exc.detail)
             return None
