@@ -279,7 +279,7 @@ class Daemon:
             lease.model,
             lease.tp_rank,
             lease.tp_size,
-            lease.client_pid,
+            lease.holder_pid,  # the process pid_start is of (the one watched)
             lease.pid_start,
             process_gone=how is LeaseEnd.reaped,
             now=self.leases.now(),

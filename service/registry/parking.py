@@ -128,9 +128,11 @@ class ParkingLot:
                 self.known_model(req.model)
             self.caps.check(
                 "parked engines",
-                ((p.holder_uid, p.client_pid) for p in self.parked.values()),
+                (
+                    (p.holder_uid, p.client_pid if p.pid_start else None)
+                    for p in self.parked.values()
+                ),
                 holder,
-                client_pid,
             )
             check_joins_group(
                 req.group,
@@ -241,7 +243,7 @@ class ParkingLot:
         model: str,
         tp_rank: int,
         tp_size: int,
-        pid: int,
+        pid: int | None,
         pid_start: int | None,
         process_gone: bool,
         now: float,
@@ -252,7 +254,7 @@ class ParkingLot:
             key = (model, tp_size)
             if not self._waiting(key):
                 return
-            if process_gone or pid_start is None:
+            if process_gone or pid is None or pid_start is None:
                 cause = ReleaseCause.reaped if process_gone else ReleaseCause.lease_ended
                 self._credit(key, tp_rank, cause, now)
                 return

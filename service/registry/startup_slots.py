@@ -99,9 +99,11 @@ class StartupSlots:
         with self.lock:
             self.caps.check(
                 "start-up slot tickets",
-                ((t.holder_uid, t.client_pid) for t in self.tickets.values()),
+                (
+                    (t.holder_uid, t.client_pid if t.pid_start else None)
+                    for t in self.tickets.values()
+                ),
                 holder,
-                client_pid,
             )
             check_joins_group(
                 req.group,

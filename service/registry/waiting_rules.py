@@ -24,10 +24,12 @@ class WaitingCaps:
     per_client: int  # --max-parked-per-client
 
     def check(
-        self, what: str, registered: Iterable[tuple[int | None, int]], holder: Holder, pid: int
+        self, what: str, registered: Iterable[tuple[int | None, int | None]], holder: Holder
     ) -> None:
-        """Refuse one more ``what`` (say "parked engines") for ``holder`` and process ``pid``,
-        given the (holder uid, pid) of every registration kept."""
+        """Refuse one more ``what`` (say "parked engines") for ``holder``, given the (holder
+        uid, watched pid) of every registration kept. A holder whose process the daemon cannot see
+        (another container's pid, likely the same small number as its neighbours') is counted
+        by its user alone, as leases are."""
         kept = list(registered)
         if len(kept) >= self.total:
             raise TooManyParkedError(
@@ -38,6 +40,9 @@ class WaitingCaps:
             raise TooManyUserParkedError(
                 f"uid {holder.uid} has {theirs} {what}", uid=holder.uid, limit=self.per_uid
             )
+        pid = holder.pid
+        if pid is None:
+            return
         mine = sum(1 for _, other in kept if other == pid)
         if mine >= self.per_client:
             raise TooManyClientParkedError(

@@ -305,3 +305,14 @@ def test_a_registration_is_its_users_alone() -> None:
     lot.park("c", uid=4343)  # the other user keeps its room
     released = lot.lot.release_oldest("m", 2, ReleaseCause.operator, 1.0, owner)
     assert {p.state for p in released} == {ParkState.released}
+
+
+def test_engines_out_of_sight_are_capped_by_their_user_alone() -> None:
+    """Engines in containers of their own name pids of their own namespaces, often the same
+    small number: those are not counted as one process."""
+    lot = Lot(max_per_client=1)
+    out_of_sight = Holder(uid=None, pid=None, pid_start=None)
+    for group in ("a", "b", "c"):
+        req = ParkRequest(model="m", tp_rank=0, tp_size=1, client_pid=7, group=group)
+        lot.lot.park(req, 0.0, out_of_sight)
+    assert len(lot.lot.entries(OWNER)) == 3
