@@ -18,17 +18,14 @@ group released (the metrics count them).
 
 from __future__ import annotations
 
-import secrets
 import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocol.errors import (
-    DaemonRestartedError,
     NothingParkedError,
     ParkingNotFoundError,
-    RegistrationNotYoursError,
 )
 from protocol.schemas.parking import (
     ParkedEngine,
@@ -38,7 +35,13 @@ from protocol.schemas.parking import (
     ReleaseCause,
 )
 from service.registry.lease_holders import Caller, Holder
-from service.registry.waiting_rules import Member, WaitingCaps, check_joins_group
+from service.registry.waiting_rules import (
+    Member,
+    Registration,
+    WaitingCaps,
+    check_joins_group,
+    find,
+)
 
 # Seconds a registration is kept past its last poll (or its end) without being asked for again.
 PARK_GRACE_S = 30.0
@@ -46,18 +49,10 @@ PARK_GRACE_S = 30.0
 GroupKey = tuple[str, int]  # (model, tp_size): parked engines that can replace one another
 
 
-@dataclass
-class Parked:
-    id: str
+@dataclass(kw_only=True)
+class Parked(Registration):
     model: str
-    tp_rank: int
-    tp_size: int
-    group: str
-    client_pid: int
-    pid_start: int | None  # None: the PID is not visible here (another PID namespace)
-    holder_uid: int | None  # the caller's uid as the kernel proved it (None: a token holder)
     parked_at: float
-    expires_at: float
     state: ParkState = ParkState.parked
     released_at: float | None = None
     cause: ReleaseCause | None = None
@@ -68,19 +63,12 @@ class Parked:
 
     def info(self, boot_id: str) -> ParkedEngine:
         return ParkedEngine(
-            id=self.id,
+            **self.shown(boot_id),
             model=self.model,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            group=self.group,
-            client_pid=self.client_pid,
-            pid_watched=self.pid_start is not None,
-            boot_id=boot_id,
             state=self.state,
             parked_at=self.parked_at,
             released_at=self.released_at,
             cause=self.cause,
-            expires_at=self.expires_at,
         )
 
 
@@ -143,7 +131,7 @@ class ParkingLot:
                 Member(holder.uid, req.tp_rank, req.tp_size, req.model),
             )
             entry = Parked(
-                id=f"{self.boot_id}.{secrets.token_hex(12)}",
+                id=Registration.new_id(self.boot_id),
                 model=req.model,
                 tp_rank=req.tp_rank,
                 tp_size=req.tp_size,
@@ -176,19 +164,9 @@ class ParkingLot:
             self._forget(parked_id)
 
     def _find(self, parked_id: str, caller: Caller) -> Parked:
-        entry = self.parked.get(parked_id)
-        if entry is not None:
-            if not caller.may_manage(entry.holder_uid):
-                raise RegistrationNotYoursError(
-                    f"parked engine {parked_id} is another user's", parked_id=parked_id
-                )
-            return entry
-        if not parked_id.startswith(f"{self.boot_id}."):
-            raise DaemonRestartedError(
-                "the engine parked with an earlier run of the daemon; park again",
-                boot_id=self.boot_id,
-            )
-        raise ParkingNotFoundError(f"no parked engine {parked_id}")
+        return find(
+            self.parked, parked_id, caller, self.boot_id, "parked engine", ParkingNotFoundError
+        )
 
     # --- releasing and cancelling ------------------------------------------------------------
 
@@ -197,7 +175,7 @@ class ParkingLot:
     ) -> list[Parked]:
         """Release the engine ``parked_id`` belongs to (every rank of it)."""
         with self.lock:
-            entry = self.get(parked_id, now, caller)
+            entry = self._find(parked_id, caller)
             if entry.state is not ParkState.parked:
                 return self._members(entry.group)
             if not self._complete(entry.group):
@@ -227,7 +205,7 @@ class ParkingLot:
     def cancel(self, parked_id: str, now: float, caller: Caller) -> list[Parked]:
         """Cancel the engine ``parked_id`` belongs to: its ranks fall back or fail."""
         with self.lock:
-            entry = self.get(parked_id, now, caller)
+            entry = self._find(parked_id, caller)
             members = self._members(entry.group)
             for member in members:
                 if member.state is ParkState.parked:

@@ -19,55 +19,43 @@ and one user and one process hold at most their share (:mod:`.waiting_rules`).
 
 from __future__ import annotations
 
-import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol.errors import (
-    DaemonRestartedError,
-    RegistrationNotYoursError,
     StartupSlotNotFoundError,
 )
 from protocol.schemas.startup_slots import SlotRequest, SlotState, SlotTicket
 from service.logsafe import get_logger
 from service.registry.lease_holders import Caller, Holder
-from service.registry.waiting_rules import Member, WaitingCaps, check_joins_group
+from service.registry.waiting_rules import (
+    Member,
+    Registration,
+    WaitingCaps,
+    check_joins_group,
+    find,
+)
 
 log = get_logger(__name__)
 
 SLOT_GRACE_S = 30.0  # a waiting ticket not asked for again within this is dropped
 
 
-@dataclass
-class Ticket:
-    id: str
+@dataclass(kw_only=True)
+class Ticket(Registration):
     device: str
-    tp_rank: int
-    tp_size: int
-    group: str
-    client_pid: int
-    pid_start: int | None
-    holder_uid: int | None  # the caller's uid as the kernel proved it (None: a token holder)
     asked_at: float
-    expires_at: float
     state: SlotState = SlotState.waiting
     granted_at: float | None = None
 
     def info(self, boot_id: str, ahead: int) -> SlotTicket:
         return SlotTicket(
-            id=self.id,
+            **self.shown(boot_id),
             device=self.device,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            group=self.group,
-            client_pid=self.client_pid,
-            pid_watched=self.pid_start is not None,
-            boot_id=boot_id,
             state=self.state,
             asked_at=self.asked_at,
             granted_at=self.granted_at,
-            expires_at=self.expires_at,
             ahead=ahead,
         )
 
@@ -115,7 +103,7 @@ class StartupSlots:
                 Member(holder.uid, req.tp_rank, req.tp_size, None),
             )
             ticket = Ticket(
-                id=f"{self.boot_id}.{secrets.token_hex(12)}",
+                id=Registration.new_id(self.boot_id),
                 device=req.device,
                 tp_rank=req.tp_rank,
                 tp_size=req.tp_size,
@@ -133,18 +121,7 @@ class StartupSlots:
     def get(self, ticket_id: str, now: float, caller: Caller, wait_s: float = 0.0) -> Ticket:
         """The ticket; a waiting one is kept ``wait_s`` plus the grace from now on."""
         with self.lock:
-            ticket = self.tickets.get(ticket_id)
-            if ticket is None:
-                if not ticket_id.startswith(f"{self.boot_id}."):
-                    raise DaemonRestartedError(
-                        "the ticket is from an earlier run of the daemon; ask again",
-                        boot_id=self.boot_id,
-                    )
-                raise StartupSlotNotFoundError(f"no start-up slot ticket {ticket_id}")
-            if not caller.may_manage(ticket.holder_uid):
-                raise RegistrationNotYoursError(
-                    f"start-up slot ticket {ticket_id} is another user's", ticket_id=ticket_id
-                )
+            ticket = self._find(ticket_id, caller)
             if ticket.state is SlotState.waiting:
                 ticket.expires_at = max(ticket.expires_at, now + wait_s + self.grace_s)
             return ticket
@@ -152,8 +129,18 @@ class StartupSlots:
     def give_back(self, ticket_id: str, now: float, caller: Caller) -> None:
         """The engine is done (or gives up waiting): the next engine may start."""
         with self.lock:
-            self.get(ticket_id, now, caller)
+            self._find(ticket_id, caller)
             self._drop(ticket_id, now)
+
+    def _find(self, ticket_id: str, caller: Caller) -> Ticket:
+        return find(
+            self.tickets,
+            ticket_id,
+            caller,
+            self.boot_id,
+            "start-up slot ticket",
+            StartupSlotNotFoundError,
+        )
 
     def ahead(self, ticket: Ticket) -> int:
         """Engines (groups) that asked for this ticket's GPU before it and still wait or hold."""

@@ -1,20 +1,85 @@
-"""The rules parked engines and start-up slot tickets share: how many the daemon keeps (in all,
-per user and per process, so that one neighbour cannot take every place), and who may join an
-engine's group (its own user, each rank once, at one TP size)."""
+"""What parked engines and start-up slot tickets share: one rank of one engine, its caller's
+(:class:`Registration`), found only by its user or a trusted caller (:func:`find`); how many the
+daemon keeps (in all, per user and per process, so that one neighbour cannot take every place);
+and who may join an engine's group (its own user, each rank once, at one TP size)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import secrets
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from protocol.errors import (
+    DaemonRestartedError,
     InvalidRequestError,
     RegistrationNotYoursError,
     TooManyClientParkedError,
     TooManyParkedError,
     TooManyUserParkedError,
+    WeightCacheError,
 )
-from service.registry.lease_holders import Holder
+from service.registry.lease_holders import Caller, Holder
+
+
+@dataclass(kw_only=True)
+class Registration:
+    """One TP rank of one engine waiting on the daemon, tied to its caller."""
+
+    id: str
+    tp_rank: int
+    tp_size: int
+    group: str  # shared by the ranks of one engine
+    client_pid: int  # the process watched, else the pid the engine named
+    pid_start: int | None  # None: the process is not visible here, nor watched
+    holder_uid: int | None  # the caller's uid as the kernel proved it (None: a token holder)
+    expires_at: float
+
+    @staticmethod
+    def new_id(boot_id: str) -> str:
+        return f"{boot_id}.{secrets.token_hex(12)}"
+
+    def shown(self, boot_id: str) -> dict[str, Any]:
+        """The fields both answers (``ParkedEngine``, ``SlotTicket``) show alike."""
+        return {
+            "id": self.id,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "group": self.group,
+            "client_pid": self.client_pid,
+            "pid_watched": self.pid_start is not None,
+            "boot_id": boot_id,
+            "expires_at": self.expires_at,
+        }
+
+
+R = TypeVar("R", bound=Registration)
+
+
+def find(
+    kept: Mapping[str, R],
+    registration_id: str,
+    caller: Caller,
+    boot_id: str,
+    what: str,
+    missing: type[WeightCacheError],
+) -> R:
+    """The registration ``registration_id`` (say ``what`` "parked engine") if ``caller`` may
+    manage it; one of an earlier daemon run, one forgotten (``missing``) and another user's are
+    refused, typed."""
+    entry = kept.get(registration_id)
+    if entry is None:
+        if not registration_id.startswith(f"{boot_id}."):
+            raise DaemonRestartedError(
+                f"the {what} is from an earlier run of the daemon; register again",
+                boot_id=boot_id,
+            )
+        raise missing(f"no {what} {registration_id}")
+    if not caller.may_manage(entry.holder_uid):
+        raise RegistrationNotYoursError(
+            f"{what} {registration_id} is another user's", registration=registration_id
+        )
+    return entry
 
 
 @dataclass(frozen=True)
