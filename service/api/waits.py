@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
+
+from starlette.concurrency import run_in_threadpool
 
 T = TypeVar("T")
 
@@ -52,17 +54,18 @@ class Waits:
     async def until(
         self,
         key: str,
-        read: Callable[[], Awaitable[T]],
+        read: Callable[[], T],
         done: Callable[[T], bool],
         wait_s: float,
     ) -> T:
-        """``read()`` again each time ``key`` changes, until ``done`` holds for what it read or
-        ``wait_s`` has passed; the last read."""
+        """``read()`` (in a worker thread: it takes the daemon's lock) again each time ``key``
+        changes, until ``done`` holds for what it read or ``wait_s`` has passed; the last read.
+        Between reads the request holds no thread."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
             async with self.watch(key) as event:
-                state = await read()
+                state = await run_in_threadpool(read)
                 left = deadline - loop.time()
                 if done(state) or left <= 0:
                     return state

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi import Path as PathParam
 
 from service.api.auth import CALLER_KEY
 from service.api.waits import Waits
@@ -35,3 +36,7 @@ async def get_caller(request: Request) -> Caller:
 
 
 CallerDep = Annotated[Caller, Depends(get_caller)]
+
+
+# A lease, parked engine or start-up slot ticket: ``<boot id>.<random>``.
+RegistrationId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]

@@ -10,14 +10,13 @@ import time
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Response, status
-from fastapi import Path as PathParam
 
 from protocol.schemas.leases import LeaseGrant, LeaseInfo, LeaseRequest, RenewRequest
 from service.api.problems import problem_responses
-from service.api.routes.deps import CallerDep, DaemonDep
+from service.api.routes.deps import CallerDep, DaemonDep, RegistrationId
 
 router = APIRouter(prefix="/v1/leases", tags=["leases"], responses=problem_responses(401, 403, 422))
-LeaseId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]
+LeaseId = RegistrationId
 
 
 @router.post(

@@ -16,7 +16,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response, status
 from fastapi import Path as PathParam
-from starlette.concurrency import run_in_threadpool
 
 from protocol.schemas.models import MODEL_ID_PATTERN
 from protocol.schemas.parking import (
@@ -27,13 +26,12 @@ from protocol.schemas.parking import (
     ReleaseCause,
 )
 from service.api.problems import problem_responses
-from service.api.routes.deps import CallerDep, DaemonDep, WaitsDep
+from service.api.routes.deps import CallerDep, DaemonDep, RegistrationId, WaitsDep
 from service.registry.lease_holders import prove_holder
 
 router = APIRouter(
     prefix="/v1/parking", tags=["parking"], responses=problem_responses(401, 403, 422)
 )
-ParkedId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]
 ModelId = Annotated[str, PathParam(pattern=MODEL_ID_PATTERN)]
 WaitS = Annotated[
     float,
@@ -72,11 +70,14 @@ def list_parked(daemon: DaemonDep, caller: CallerDep) -> list[ParkedEngine]:
     responses=problem_responses(404, 409),
 )
 async def get_parked(
-    parked_id: ParkedId, daemon: DaemonDep, waits: WaitsDep, caller: CallerDep, wait_s: WaitS = 0.0
+    parked_id: RegistrationId,
+    daemon: DaemonDep,
+    waits: WaitsDep,
+    caller: CallerDep,
+    wait_s: WaitS = 0.0,
 ) -> ParkedEngine:
-    async def read() -> ParkedEngine:
-        entry = await run_in_threadpool(daemon.parking.get, parked_id, time.time(), caller, wait_s)
-        return entry.info(daemon.boot_id)
+    def read() -> ParkedEngine:
+        return daemon.parking.get(parked_id, time.time(), caller, wait_s).info(daemon.boot_id)
 
     return await waits.until(parked_id, read, lambda e: e.state is not ParkState.parked, wait_s)
 
@@ -87,7 +88,7 @@ async def get_parked(
     summary="Withdraw a registration (the engine's own, once it is done waiting)",
     responses=problem_responses(404, 409),
 )
-def withdraw(parked_id: ParkedId, daemon: DaemonDep, caller: CallerDep) -> Response:
+def withdraw(parked_id: RegistrationId, daemon: DaemonDep, caller: CallerDep) -> Response:
     daemon.parking.withdraw(parked_id, caller)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -116,7 +117,7 @@ def release_oldest(
     summary="Release this engine (all its ranks)",
     responses=problem_responses(404, 409),
 )
-def release(parked_id: ParkedId, daemon: DaemonDep, caller: CallerDep) -> list[ParkedEngine]:
+def release(parked_id: RegistrationId, daemon: DaemonDep, caller: CallerDep) -> list[ParkedEngine]:
     released = daemon.parking.release(parked_id, ReleaseCause.operator, time.time(), caller)
     return [e.info(daemon.boot_id) for e in released]
 
@@ -127,6 +128,6 @@ def release(parked_id: ParkedId, daemon: DaemonDep, caller: CallerDep) -> list[P
     summary="Cancel this engine (all its ranks): it falls back or fails, per its options",
     responses=problem_responses(404, 409),
 )
-def cancel(parked_id: ParkedId, daemon: DaemonDep, caller: CallerDep) -> list[ParkedEngine]:
+def cancel(parked_id: RegistrationId, daemon: DaemonDep, caller: CallerDep) -> list[ParkedEngine]:
     cancelled = daemon.parking.cancel(parked_id, time.time(), caller)
     return [e.info(daemon.boot_id) for e in cancelled]

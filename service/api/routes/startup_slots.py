@@ -11,19 +11,16 @@ import time
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Response, status
-from fastapi import Path as PathParam
-from starlette.concurrency import run_in_threadpool
 
 from protocol.schemas.parking import MAX_WAIT_S
 from protocol.schemas.startup_slots import SlotRequest, SlotState, SlotTicket
 from service.api.problems import problem_responses
-from service.api.routes.deps import CallerDep, DaemonDep, WaitsDep
+from service.api.routes.deps import CallerDep, DaemonDep, RegistrationId, WaitsDep
 from service.registry.lease_holders import prove_holder
 
 router = APIRouter(
     prefix="/v1/startup-slots", tags=["startup-slots"], responses=problem_responses(401, 403, 422)
 )
-TicketId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]
 WaitS = Annotated[
     float, Query(ge=0, le=MAX_WAIT_S, description="answer once the slot is held, or after this")
 ]
@@ -60,16 +57,17 @@ def list_tickets(daemon: DaemonDep, caller: CallerDep) -> list[SlotTicket]:
     responses=problem_responses(404, 409),
 )
 async def get_ticket(
-    ticket_id: TicketId, daemon: DaemonDep, waits: WaitsDep, caller: CallerDep, wait_s: WaitS = 0.0
+    ticket_id: RegistrationId,
+    daemon: DaemonDep,
+    waits: WaitsDep,
+    caller: CallerDep,
+    wait_s: WaitS = 0.0,
 ) -> SlotTicket:
     slots = daemon.startup_slots
 
-    def current() -> SlotTicket:
+    def read() -> SlotTicket:
         ticket = slots.get(ticket_id, time.time(), caller, wait_s)
         return ticket.info(daemon.boot_id, slots.ahead(ticket))
-
-    async def read() -> SlotTicket:
-        return await run_in_threadpool(current)
 
     return await waits.until(ticket_id, read, lambda t: t.state is SlotState.held, wait_s)
 
@@ -80,6 +78,6 @@ async def get_ticket(
     summary="Give the slot back (or stop waiting for it)",
     responses=problem_responses(404, 409),
 )
-def give_back(ticket_id: TicketId, daemon: DaemonDep, caller: CallerDep) -> Response:
+def give_back(ticket_id: RegistrationId, daemon: DaemonDep, caller: CallerDep) -> Response:
     daemon.startup_slots.give_back(ticket_id, time.time(), caller)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
