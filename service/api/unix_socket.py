@@ -9,25 +9,27 @@ this daemon made (same inode), so a later daemon's socket is never taken away.
 from __future__ import annotations
 
 import contextlib
-import grp
 import os
 import socket
 import stat
 from pathlib import Path
 
+from protocol.errors import ShmDirError
+from service.memory.shm import group_id
+
 OWNER_ONLY = 0o600
 GROUP_TOO = 0o660
 
 
-def group_id(group: str) -> int:
-    """The gid of ``group`` (a name or a number); ``ValueError`` naming it when unknown."""
+def socket_group_id(group: str) -> int:
+    """The gid of ``--socket-group`` (a name or a number); ``ValueError`` naming it when
+    unknown (a bad setting)."""
     try:
-        return grp.getgrnam(group).gr_gid
-    except KeyError:
-        pass
-    if group.isdigit():
-        return int(group)
-    raise ValueError(f"--socket-group {group}: no such group on this host")
+        gid = group_id(group)
+    except ShmDirError:
+        raise ValueError(f"--socket-group {group}: no such group on this host") from None
+    assert gid is not None
+    return gid
 
 
 class PrivateSocket:
@@ -35,7 +37,7 @@ class PrivateSocket:
     which removes its file when done if the file is still its own."""
 
     def __init__(self, path: Path, group: str | None = None, backlog: int = 2048) -> None:
-        gid = group_id(group) if group is not None else None
+        gid = socket_group_id(group) if group is not None else None
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # the file is born 0600: no moment when others could connect
