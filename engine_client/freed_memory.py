@@ -20,7 +20,8 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
+
+from protocol.processes import process_ended
 
 log = logging.getLogger(__name__)
 
@@ -28,18 +29,10 @@ GROWTH_BYTES = 64 << 20  # free memory that grows less than this between reads i
 POLL_S = 0.05
 
 
-def process_ended(pid: int) -> bool:
-    """Whether ``pid`` has ended (no such process, or a zombie whose parent has not reaped it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat[stat.rindex(")") + 2 :].startswith(("Z", "X"))
-
-
-def nvml_gpu_pids(device_index: int) -> list[int] | None:
-    """PIDs NVML lists on CUDA device ``device_index`` (as torch numbers it), or None where NVML
-    cannot be read or its PIDs are not of this PID namespace (this process is not among them)."""
+def nvml_gpu_pids(device_index: int) -> Callable[[], list[int] | None]:
+    """A reader of the PIDs NVML lists on CUDA device ``device_index`` (as torch numbers it),
+    NVML and the device's handle opened once; it answers None where NVML cannot be read or its
+    PIDs are not of this PID namespace (this process is not among them)."""
     try:
         import pynvml  # type: ignore[import-not-found]
 
@@ -47,10 +40,17 @@ def nvml_gpu_pids(device_index: int) -> list[int] | None:
 
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByUUID(cuda_uuid(device_index))
-        pids = [int(p.pid) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
     except Exception:  # not installed, no driver access: nothing to tell
-        return None
-    return pids if os.getpid() in pids else None
+        return lambda: None
+
+    def listed() -> list[int] | None:
+        try:
+            pids = [int(p.pid) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
+        except Exception:  # the driver stopped answering: nothing more to tell
+            return None
+        return pids if os.getpid() in pids else None
+
+    return listed
 
 
 def wait_for_freed_memory(
@@ -95,7 +95,7 @@ def wait_for_this_gpu(timeout_s: float = 30.0) -> float:
     index = torch.cuda.current_device()
     waited = wait_for_freed_memory(
         lambda: int(torch.cuda.mem_get_info(index)[0]),
-        lambda: nvml_gpu_pids(index),
+        nvml_gpu_pids(index),
         timeout_s,
     )
     log.info("GPU memory settled %.2f s after the release", waited)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from protocol.devices import Placement
+from protocol.processes import process_start
 from protocol.schemas.inventory import DeviceInfo
 from protocol.schemas.manifest import DeviceIdentity, DeviceKind
 from service.memory.footprint import gpu_footprint
@@ -112,17 +113,6 @@ def process_alive(pid: int, start_ticks: int | None = None) -> bool:
     if state in ("Z", "X"):
         return False
     return start_ticks is None or ticks == start_ticks
-
-
-def process_start(pid: int) -> tuple[int, str] | None:
-    """(start time in clock ticks, state letter) from /proc/<pid>/stat, if visible."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name may hold spaces and parentheses: split after its closing ")".
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return int(fields[19]), fields[0]
 
 
 def use_plain_cuda_allocations() -> None:

@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass
 
 from protocol.errors import ClientNotVisibleError, ClientNotYoursError
-from service.memory.devices import process_start
+from protocol.processes import process_start
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from protocol.errors import DaemonRestartedError, LeaseExpiredError, LeaseNotFoundError
+from protocol.processes import process_start
 from protocol.schemas.leases import LeaseInfo
 from service.logsafe import get_logger
-from service.memory.devices import process_alive, process_start
+from service.memory.devices import process_alive
 from service.registry.lease_holders import Holder
 
 log = get_logger("service.daemon")  # the name operators filter the daemon's lines by

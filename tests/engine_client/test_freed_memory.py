@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine_client.freed_memory import GROWTH_BYTES, process_ended, wait_for_freed_memory
+from engine_client.freed_memory import GROWTH_BYTES, wait_for_freed_memory
+from protocol.processes import process_ended
 
 GIB = 1 << 30
 POLL_S = 0.01
