@@ -43,17 +43,12 @@ def _take(device: str, group: str, tp_rank: int, tp_size: int) -> ApiCall[SlotTi
 class StartupSlot:
     """A held slot; :meth:`give_back` once (further calls, and process exit, do nothing more)."""
 
-    def __init__(self, config: ClientConfig, ticket: SlotTicket, waited_s: float) -> None:
+    def __init__(self, config: ClientConfig, ticket: SlotTicket) -> None:
         self.config = config
         self.ticket = ticket
-        self.waited_s = waited_s
         self.taken_at = time.monotonic()
         self._given_back = threading.Event()
         atexit.register(self.give_back, "the engine exited")
-
-    @property
-    def given_back(self) -> bool:
-        return self._given_back.is_set()
 
     def give_back(self, why: str = "its start-up allocations are done") -> None:
         if self._given_back.is_set():
@@ -119,6 +114,7 @@ def take_startup_slot(
         except WeightCacheError as exc:
             log.warning("weight-cache: no start-up slot (%s): starting without one", exc)
             return None
-    waited = time.monotonic() - start
-    log.info("weight-cache: took the start-up slot of %s after %.1f s", device, waited)
-    return StartupSlot(config, ticket, waited)
+    log.info(
+        "weight-cache: took the start-up slot of %s after %.1f s", device, time.monotonic() - start
+    )
+    return StartupSlot(config, ticket)

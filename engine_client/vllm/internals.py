@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 KV_SCALE_PARAMETERS = ("q_scale", "k_scale", "v_scale", "prob_scale")
 
 
-def _is_meta(tensor: object) -> bool:
+def is_meta(tensor: object) -> bool:
+    """A tensor still on the meta device (built, never given storage)."""
     return isinstance(tensor, torch.Tensor) and tensor.is_meta
 
 
@@ -195,7 +196,7 @@ def vocab_shard(module: nn.Module) -> VocabShard | None:
 def has_meta_rotary_cache(module: nn.Module) -> bool:
     """A rotary embedding built on the meta device (``RotaryEmbedding`` and its subclasses
     register ``cos_sin_cache`` as a buffer computed by ``_compute_cos_sin_cache``)."""
-    return _is_meta(module._buffers.get("cos_sin_cache")) and hasattr(
+    return is_meta(module._buffers.get("cos_sin_cache")) and hasattr(
         module, "_compute_cos_sin_cache"
     )
 
@@ -208,14 +209,14 @@ def rebuild_rotary_cache(module: Any) -> None:
     if not getattr(module, "use_flashinfer", False):
         cache = cache.to(module.dtype)
     module._buffers["cos_sin_cache"] = cache
-    if _is_meta(module._buffers.get("cos_sin_cache_bf16")):
+    if is_meta(module._buffers.get("cos_sin_cache_bf16")):
         module._buffers["cos_sin_cache_bf16"] = cache.to(torch.bfloat16)
 
 
 def has_meta_attention_scales(module: nn.Module) -> bool:
     """An attention layer built on the meta device (``set_default_quant_scales`` registers its
     ``_k_scale`` buffer)."""
-    return _is_meta(module._buffers.get("_k_scale"))
+    return is_meta(module._buffers.get("_k_scale"))
 
 
 def rebuild_attention_state(module: Any) -> None:
@@ -223,11 +224,11 @@ def rebuild_attention_state(module: Any) -> None:
     ``set_default_quant_scales``, its empty ``kv_cache`` placeholder, and the KV-cache scale
     parameters its ``BaseKVCacheMethod`` creates in ``create_weights``."""
     set_default_quant_scales(module, register_buffer=True)
-    if _is_meta(getattr(module, "kv_cache", None)):
+    if is_meta(getattr(module, "kv_cache", None)):
         module.kv_cache = torch.tensor([])
     method = getattr(module, "quant_method", None)
     if isinstance(method, BaseKVCacheMethod) and any(
-        _is_meta(module._parameters.get(name)) for name in KV_SCALE_PARAMETERS
+        is_meta(module._parameters.get(name)) for name in KV_SCALE_PARAMETERS
     ):
         method.create_weights(module)
 

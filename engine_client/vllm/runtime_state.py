@@ -15,6 +15,7 @@ from engine_client.attach import Attachment
 from engine_client.vllm.internals import (
     has_meta_attention_scales,
     has_meta_rotary_cache,
+    is_meta,
     rebuild_attention_state,
     rebuild_rotary_cache,
 )
@@ -42,10 +43,6 @@ def load_checkpoint_scales(model: Any, attachment: Attachment, names: list[str])
     model.load_weights((name, attachment.tensors[name]) for name in names)
 
 
-def _is_meta(tensor: object) -> bool:
-    return isinstance(tensor, torch.Tensor) and tensor.is_meta
-
-
 def meta_tensors(model: nn.Module) -> list[str]:
     """Names of every parameter, buffer or tensor attribute still on the meta device."""
     left: list[str] = []
@@ -53,9 +50,9 @@ def meta_tensors(model: nn.Module) -> list[str]:
         prefix = f"{module_name}." if module_name else ""
         for key, value in vars(module).items():
             if key in ("_parameters", "_buffers"):
-                found = [k for k, v in value.items() if _is_meta(v)]
+                found = [k for k, v in value.items() if is_meta(v)]
             else:
-                found = [key] if _is_meta(value) else []
+                found = [key] if is_meta(value) else []
             left.extend(prefix + k for k in found)
     return left
 
