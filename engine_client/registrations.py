@@ -10,7 +10,7 @@ from typing import Generic, TypeVar
 import httpx
 from pydantic import BaseModel
 
-from engine_client.answers import parse_answer
+from engine_client.answers import parse_answer, parse_answers
 from engine_client.client import ApiCall
 
 T = TypeVar("T", bound=BaseModel)
@@ -29,6 +29,13 @@ class Registrations(Generic[T]):
     def ask(self, registration_id: str, wait_s: float) -> ApiCall[T]:
         """The registration now, or once its state changes within ``wait_s``."""
         return ApiCall("GET", f"{self.path}/{registration_id}?wait_s={wait_s:.3f}", self._read)
+
+    def listed(self, method: str = "GET", suffix: str = "") -> ApiCall[list[T]]:
+        """A list of registrations: the collection (``GET``), or those an action under it
+        answers with (``POST /v1/parking/{id}/release``: ``suffix`` ``/{id}/release``; releasing
+        or cancelling twice answers as once, so these are retried as reads are)."""
+        read = lambda r: parse_answers(self.answer, r.content)  # noqa: E731
+        return ApiCall(method, self.path + suffix, read)
 
     def withdraw(self, registration_id: str) -> ApiCall[None]:
         return ApiCall("DELETE", f"{self.path}/{registration_id}", lambda r: None)

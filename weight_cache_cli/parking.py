@@ -31,21 +31,19 @@ def _with_client(
         raise click.ClickException(exc.explain(cli=True)) from exc
 
 
-def parked_engines(client: DaemonClient, method: str, path: str) -> list[ParkedEngine]:
-    from engine_client.answers import parse_answers
-    from engine_client.client import ApiCall
-    from protocol.schemas.parking import ParkedEngine
+def parked_engines(
+    client: DaemonClient, method: str = "GET", suffix: str = ""
+) -> list[ParkedEngine]:
+    """Parked engines: every one the caller may see, or those an action answers with."""
+    from engine_client.parking import PARKING
 
-    return client.send(ApiCall(method, path, lambda r: parse_answers(ParkedEngine, r.content)))
+    return client.send(PARKING.listed(method, suffix))
 
 
 def slot_tickets(client: DaemonClient) -> list[SlotTicket]:
-    from engine_client.answers import parse_answers
-    from engine_client.client import ApiCall
-    from protocol.schemas.startup_slots import SlotTicket
+    from engine_client.startup_slot import SLOTS
 
-    read = lambda r: parse_answers(SlotTicket, r.content)  # noqa: E731
-    return client.send(ApiCall("GET", "/v1/startup-slots", read))
+    return client.send(SLOTS.listed())
 
 
 def _ago(unix_s: float | None) -> str:
@@ -106,7 +104,7 @@ def parking(ctx: click.Context, url: str | None, uds: str | None, token_file: st
             url,
             uds,
             token_file,
-            lambda c: (parked_engines(c, "GET", "/v1/parking"), slot_tickets(c)),
+            lambda c: (parked_engines(c), slot_tickets(c)),
         )
         if not engines and not tickets:
             click.echo("no parked engines, no start-up slots held or waited for")
@@ -140,9 +138,9 @@ def release(
     if (parked_id is None) == (model is None):
         raise click.UsageError("give a PARKED_ID or --model, not both")
     if model is not None:
-        path = f"/v1/parking/models/{model}/release" + (f"?tp_size={tp_size}" if tp_size else "")
+        path = f"/models/{model}/release" + (f"?tp_size={tp_size}" if tp_size else "")
     else:
-        path = f"/v1/parking/{parked_id}/release"
+        path = f"/{parked_id}/release"
     where = _where(group, url, uds, token_file)
     released = _with_client(*where, lambda c: parked_engines(c, "POST", path))
     print_parked(released, [])
@@ -158,7 +156,5 @@ def cancel(
     """Cancel a parked engine (every TP rank): it falls back to vLLM's default loader, or fails
     if its loader option "fallback" is false. To stop it outright, end its process (PID)."""
     where = _where(group, url, uds, token_file)
-    cancelled = _with_client(
-        *where, lambda c: parked_engines(c, "POST", f"/v1/parking/{parked_id}/cancel")
-    )
+    cancelled = _with_client(*where, lambda c: parked_engines(c, "POST", f"/{parked_id}/cancel"))
     print_parked(cancelled, [])

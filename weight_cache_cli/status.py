@@ -29,7 +29,7 @@ def status(url: str | None, uds: str | None, token_file: str | None) -> None:
     try:
         with DaemonClient(client_config(url, uds, token_file)) as client:
             inv = client.inventory()
-            parked, tickets = parked_engines(client, "GET", "/v1/parking"), slot_tickets(client)
+            parked, tickets = parked_engines(client), slot_tickets(client)
     except WeightCacheError as exc:
         raise click.ClickException(exc.explain(cli=True)) from exc
     console = Console()
