@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import click
 
+from service.env import LOG_FORMAT, LOG_LEVEL
 from service.logs import FORMATS, LEVELS, configure_logging
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -21,11 +22,13 @@ def _reconfigure(ctx: click.Context, param: click.Parameter, value: str | None) 
     if value is None:
         return
     group = ctx.parent.params if ctx.parent is not None else {}
-    chosen = {"log_level": group.get("log_level", "INFO"), "log_format": group.get("log_format")}
-    chosen[str(param.name)] = value
+    chosen = {
+        "log_level": group.get("log_level", LOG_LEVEL.default),
+        "log_format": group.get("log_format", LOG_FORMAT.default),
+    }
     ctx.meta.setdefault("weight_cache.log", {}).update({str(param.name): value})
     chosen.update(ctx.meta["weight_cache.log"])
-    configure_logging(str(chosen["log_level"]), str(chosen["log_format"] or "text").lower())
+    configure_logging(str(chosen["log_level"]), str(chosen["log_format"]).lower())
 
 
 def log_options(command: F) -> F:
@@ -36,14 +39,14 @@ def log_options(command: F) -> F:
             type=click.Choice(FORMATS, case_sensitive=False),
             expose_value=False,
             callback=_reconfigure,
-            help="text, or json (one object per line); also before the command.",
+            help=f"{LOG_FORMAT.help}; also before the command.",
         ),
         click.option(
             "--log-level",
             type=click.Choice(LEVELS, case_sensitive=False),
             expose_value=False,
             callback=_reconfigure,
-            help="Level of every log line, uvicorn's included; also before the command.",
+            help=f"{LOG_LEVEL.help}; also before the command.",
         ),
     ):
         command = option(command)
