@@ -78,15 +78,17 @@ def _bind_unix(path: Path, group: str | None) -> PrivateSocket:
 
 
 @contextlib.contextmanager
-def stopping_signal_deferred() -> Iterator[None]:
+def stopping_signal_deferred() -> Iterator[list[int]]:
     """uvicorn re-raises the signal that stopped it once it has shut down, which would end
     the process before the socket file is removed: the signal is caught meanwhile and raised
-    again after the cleanup, so the exit status still says which signal it was."""
+    again after the cleanup, so the exit status still says which signal it was. The signals
+    caught are yielded: one that came before uvicorn took over (during imports, or while the
+    daemon was built) means the daemon is not to serve at all."""
     caught: list[int] = []
     stopping = (signal.SIGINT, signal.SIGTERM)
     previous = {sig: signal.signal(sig, lambda sig, _: caught.append(sig)) for sig in stopping}
     try:
-        yield
+        yield caught
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

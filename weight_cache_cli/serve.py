@@ -135,7 +135,7 @@ def serve(**flags: Any) -> None:
     except ValueError as exc:
         raise SettingsError(str(exc)) from exc
     listener = bound.sock if not isinstance(bound, socket.socket) else bound
-    with stopping_signal_deferred():
+    with stopping_signal_deferred() as stopped:
         try:
             if not settings.models:
                 settings = settings.model_copy(
@@ -144,7 +144,7 @@ def serve(**flags: Any) -> None:
                         "model_id": settings.model_id or DEMO_MODEL_ID,
                     }
                 )
-            daemon = _run(settings, listener)
+            daemon = _run(settings, listener, stopped)
         finally:
             listener.close()
             if not isinstance(bound, socket.socket):
@@ -153,7 +153,9 @@ def serve(**flags: Any) -> None:
         raise click.ClickException(_startup_failure(daemon))
 
 
-def _run(settings: DaemonSettings, listener: socket.socket) -> Daemon:
+def _run(settings: DaemonSettings, listener: socket.socket, stopped: list[int]) -> Daemon:
+    """Build the daemon and serve until stopped (not at all if ``stopped`` already holds a
+    signal: one sent while it started is not lost)."""
     import uvicorn
 
     from protocol.errors import KeeperUnavailableError
@@ -186,5 +188,8 @@ def _run(settings: DaemonSettings, listener: socket.socket) -> Daemon:
     # header, a request flood) then walks only what came since, instead of holding the GIL, and
     # the event loop, for 100 ms and more. vLLM's engine does the same once it is up.
     gc.freeze()
+    if stopped:
+        log.info("stopped by signal %d before serving", stopped[0])
+        return daemon
     server.run(sockets=[listener])
     return daemon

@@ -213,3 +213,22 @@ def test_log_level_warning_silences_uvicorn_and_text_escapes_controls(
     lines = stream.getvalue().splitlines()
     assert len(lines) == 2 and lines[0].endswith("INFO uvicorn.error: started")
     assert lines[1].endswith("INFO service.test: path /a\\nWARNING forged\\x1b[31m")
+
+
+def test_a_stop_signal_sent_while_starting_is_not_lost(tmp_path: Path, tiny_fp8: Path) -> None:
+    """A SIGTERM that came before uvicorn took over (caught meanwhile, so that the socket file
+    is removed at exit) stops the daemon before it serves, instead of being dropped."""
+    code = f"""
+import signal, socket
+from weight_cache_cli.serve import _run, build_settings
+settings = build_settings(models=[{str(tiny_fp8)!r}], device="cpu", shm_dir={str(tmp_path)!r},
+                          port=0, keeper="off", run_dir={str(tmp_path / "run")!r})
+listener = socket.create_server(("127.0.0.1", 0))
+daemon = _run(settings, listener, [signal.SIGTERM])
+print("returned without serving:", daemon.models.records == {{}})
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert "returned without serving: True" in out.stdout
