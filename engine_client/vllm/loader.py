@@ -50,6 +50,7 @@ from engine_client.vllm.steps import run_steps
 from modelopt_fp8.checkpoint import IdentityTier
 from protocol.errors import VerificationError, WeightCacheError
 from protocol.reasons import Reason
+from protocol.schemas.models import ModelInfo
 
 __all__ = ["LOAD_FORMAT", "WeightCacheModelLoader", "before_load_window"]
 
@@ -120,7 +121,9 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
             return 0
         return self.daemon_rank_bytes(vllm_config)
 
-    def _daemon_model_id(self, vllm_config: Any) -> str:
+    def _daemon_model(self, vllm_config: Any) -> ModelInfo:
+        """The daemon's model for this engine, asked now: before a park for its id, and again
+        after it (a park may last long enough for the daemon to restart or reload it)."""
         model_config = vllm_config.model_config
         tier = IdentityTier(self.options.identity)
         return daemon_model(
@@ -128,21 +131,17 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
             self.options.model,
             model_config,
             lambda: checkpoint_identity(vllm_config, model_config, tier).fingerprint,
-        ).id
+        )
+
+    def _daemon_model_id(self, vllm_config: Any) -> str:
+        return self._daemon_model(vllm_config).id
 
     def daemon_rank_bytes(self, vllm_config: Any) -> int:
         """Weight bytes the daemon holds for this rank (outside the engine's allocator), or 0
         where it holds none for this engine. Asks the daemon and changes nothing; the
         checkpoint's identity it reads is kept for the load of this engine start."""
-        model_config = vllm_config.model_config
-        tier = IdentityTier(self.options.identity)
         try:
-            chosen = daemon_model(
-                self.options.client_config(),
-                self.options.model,
-                model_config,
-                lambda: checkpoint_identity(vllm_config, model_config, tier).fingerprint,
-            )
+            chosen = self._daemon_model(vllm_config)
         except WeightCacheError:
             return 0
         return rank_bytes(chosen)
