@@ -18,10 +18,9 @@ from typing import Any
 
 from protocol.errors import (
     AttachError,
+    CarriesReason,
     CheckpointError,
     LeaseNotFoundError,
-    ParkEndedError,
-    VerificationError,
     WeightCacheError,
 )
 from protocol.reasons import Reason
@@ -50,9 +49,9 @@ _PROM = _prometheus_counter()
 
 
 def reason_of(error: WeightCacheError) -> Reason:
-    """The one reason an error stands for: the step's own reason for attach and verification
-    errors, else the daemon's error code where it names one, else ``daemon_error``."""
-    if isinstance(error, VerificationError | AttachError | ParkEndedError):
+    """The one reason an error stands for: its own where it carries one (attach, verification,
+    a park that ended), else the daemon's error code where it names one, else ``daemon_error``."""
+    if isinstance(error, CarriesReason):
         return error.reason
     if isinstance(error, CheckpointError):  # the engine's own copy cannot be read
         return Reason.checkpoint_unreadable

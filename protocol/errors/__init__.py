@@ -22,7 +22,12 @@ from protocol.errors.access import (
     PeerNotAllowedError,
     RegistrationNotYoursError,
 )
-from protocol.errors.base import WeightCacheError, error_classes, error_from_problem
+from protocol.errors.base import (
+    CarriesReason,
+    WeightCacheError,
+    error_classes,
+    error_from_problem,
+)
 from protocol.errors.checkpoints import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -104,6 +109,7 @@ __all__ = [
     "ArenaUnavailableError",
     "AttachError",
     "BadResponseError",
+    "CarriesReason",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointUnreadableError",

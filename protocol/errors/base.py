@@ -6,6 +6,8 @@ from __future__ import annotations
 import enum
 from typing import Any, ClassVar
 
+from protocol.reasons import Reason
+
 _REGISTRY: dict[str, type[WeightCacheError]] = {}
 
 
@@ -60,6 +62,17 @@ class WeightCacheError(Exception):
 
 
 _REGISTRY[WeightCacheError.code] = WeightCacheError
+
+
+class CarriesReason(WeightCacheError):
+    """An error that names its own fallback reason (``reason`` in its extra fields, else its
+    class's default): the engine reports that reason as it is, whatever the error's code."""
+
+    default_reason: ClassVar[Reason] = Reason.internal_error
+
+    @property
+    def reason(self) -> Reason:
+        return Reason.parse(self.extra.get("reason"), self.default_reason)
 
 
 def error_classes() -> dict[str, type[WeightCacheError]]:

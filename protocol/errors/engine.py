@@ -3,7 +3,7 @@ these ends in one fallback :class:`~protocol.reasons.Reason`."""
 
 from __future__ import annotations
 
-from protocol.errors.base import WeightCacheError
+from protocol.errors.base import CarriesReason, WeightCacheError
 from protocol.reasons import Reason
 
 
@@ -18,7 +18,7 @@ class DaemonUnavailableError(WeightCacheError):
     )
 
 
-class VerificationError(WeightCacheError):
+class VerificationError(CarriesReason):
     """The lease does not describe what this engine would have built; ``reason`` says which
     check failed."""
 
@@ -26,13 +26,10 @@ class VerificationError(WeightCacheError):
     status = 409
     title = "Lease failed verification"
     hint = "the engine falls back to an ordinary load; `reason` says why"
-
-    @property
-    def reason(self) -> Reason:
-        return Reason.parse(self.extra.get("reason"), Reason.manifest_invalid)
+    default_reason = Reason.manifest_invalid
 
 
-class AttachError(WeightCacheError):
+class AttachError(CarriesReason):
     """Attaching failed after the daemon answered (its answer, the arena, the views, binding);
     ``reason`` says at which step. Raised on the engine side only, where the foreign exception
     arose."""
@@ -44,7 +41,8 @@ class AttachError(WeightCacheError):
 
     @property
     def reason(self) -> Reason:
-        return Reason.parse(self.extra.get("reason", self.code), Reason.internal_error)
+        """Its ``reason``, else its code where that is a reason (``bad_response``)."""
+        return Reason.parse(self.extra.get("reason", self.code), self.default_reason)
 
 
 class BadResponseError(AttachError):

@@ -3,7 +3,7 @@ park that ended without a release."""
 
 from __future__ import annotations
 
-from protocol.errors.base import WeightCacheError
+from protocol.errors.base import CarriesReason, WeightCacheError
 from protocol.errors.models import ConflictError
 from protocol.errors.requests import NotFoundError
 from protocol.reasons import Reason
@@ -61,7 +61,7 @@ class StartupSlotNotFoundError(NotFoundError):
     )
 
 
-class ParkEndedError(WeightCacheError):
+class ParkEndedError(CarriesReason):
     """A parked engine was not released: cancelled, or its ``park_timeout`` passed; ``reason``
     (a :class:`~protocol.reasons.Reason`) says which. Raised on the engine side only."""
 
@@ -72,7 +72,4 @@ class ParkEndedError(WeightCacheError):
         "the engine falls back or fails (its `fallback` option); `reason` says whether it was "
         "cancelled or waited past `park_timeout`"
     )
-
-    @property
-    def reason(self) -> Reason:
-        return Reason.parse(self.extra.get("reason"), Reason.park_cancelled)
+    default_reason = Reason.park_cancelled
