@@ -64,7 +64,7 @@ async def peer_of(scope: Scope) -> PeerCredentials:
             return PeerCredentials(uid=os.geteuid(), pid=os.getpid(), via="local")
         peer = ConnectionPeer(None)
     assert isinstance(peer, ConnectionPeer)
-    if peer.known or peer.resolve_quickly(client, server):
+    if peer.resolve_quickly(client, server):
         return peer.credentials(client, server)
     # The kernel's netlink answer is not to be had here: /proc/net/tcp is read, off the loop.
     return await anyio.to_thread.run_sync(peer.credentials, client, server)

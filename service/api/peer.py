@@ -10,6 +10,7 @@ tells no pid. A remote peer has no local socket: its uid is unknown.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import socket
 import struct
@@ -127,21 +128,6 @@ def _proc_net_uid(client: tuple[str, int], server: tuple[str, int]) -> int | Non
     return None
 
 
-def tcp_peer_uid(client: tuple[str, int] | None, server: tuple[str, int] | None) -> int | None:
-    """The uid owning the client's end of a TCP connection on this host, or ``None``."""
-    if client is None or server is None:
-        return None
-    try:
-        found = tcp_socket(client, server)
-        return None if found is None else found.uid
-    except (OSError, ValueError):
-        pass
-    try:
-        return _proc_net_uid(client, server)
-    except (OSError, ValueError):
-        return None
-
-
 PEER_KEY = "weight_cache.peer"  # ASGI scope key: the request's connection's ConnectionPeer
 
 
@@ -151,11 +137,6 @@ class ConnectionPeer:
 
     def __init__(self, unix: PeerCredentials | None) -> None:
         self._credentials = unix
-
-    @property
-    def known(self) -> bool:
-        """Whether :meth:`credentials` answers without asking the kernel."""
-        return self._credentials is not None
 
     def resolve_quickly(
         self, client: tuple[str, int] | None, server: tuple[str, int] | None
@@ -179,6 +160,12 @@ class ConnectionPeer:
     def credentials(
         self, client: tuple[str, int] | None, server: tuple[str, int] | None
     ) -> PeerCredentials:
+        """The peer's credentials; for a TCP peer :meth:`resolve_quickly` could not find, its
+        uid read from ``/proc/net/tcp`` (blocking: called off the event loop)."""
         if self._credentials is None:
-            self._credentials = PeerCredentials(tcp_peer_uid(client, server), None, "tcp")
+            uid = None
+            if client is not None and server is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    uid = _proc_net_uid(client, server)
+            self._credentials = PeerCredentials(uid, None, "tcp")
         return self._credentials
