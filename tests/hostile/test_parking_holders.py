@@ -43,10 +43,9 @@ def slot_body(pid: int, group: str) -> dict[str, Any]:
 def _clear(daemon: DaemonProcess) -> None:
     """The daemon's own user sees and may withdraw every registration."""
     with httpx.Client(base_url=daemon.url) as client:
-        for parked in client.get("/v1/parking").json():
-            client.delete(f"/v1/parking/{parked['id']}")
-        for ticket in client.get("/v1/startup-slots").json():
-            client.delete(f"/v1/startup-slots/{ticket['id']}")
+        for path in ("/v1/parking", "/v1/startup-slots"):
+            for entry in client.get(path).json():
+                assert client.delete(f"{path}/{entry['id']}").status_code in (204, 404)
 
 
 @needs_root

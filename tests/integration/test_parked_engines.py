@@ -26,6 +26,14 @@ CHILD = [sys.executable, "-m", "tests.integration.engine_child"]
 CLI = [sys.executable, "-m", "weight_cache_cli"]
 
 
+def cli(url: str, *args: str) -> str:
+    """``weight-cache ARGS --url URL``, as an operator runs it; its output (a failure raises)."""
+    done = subprocess.run(
+        [*CLI, *args, "--url", url], capture_output=True, text=True, timeout=60, check=True
+    )
+    return done.stdout
+
+
 class Child:
     """An ``engine_child`` process whose JSON lines are read as they come."""
 
@@ -151,22 +159,13 @@ def test_release_over_rest_and_the_cli(
     first = children("park", url, "tiny", str(tiny_fp8))
     second = children("park", url, "tiny", str(tiny_fp8))
     wait_for(lambda: sorted(waiting_pids(url)) == sorted([first.process.pid, second.process.pid]))
-    listing = subprocess.run(
-        [*CLI, "parking", "--url", url], capture_output=True, text=True, timeout=60, check=True
-    )
-    assert str(first.process.pid) in listing.stdout and "Parked engines" in listing.stdout
-    status = subprocess.run(
-        [*CLI, "status", "--url", url], capture_output=True, text=True, timeout=60, check=True
-    )
-    assert "parked" in status.stdout and str(second.process.pid) in status.stdout
+    listing = cli(url, "parking")
+    assert str(first.process.pid) in listing and "Parked engines" in listing
+    status = cli(url, "status")
+    assert "parked" in status and str(second.process.pid) in status
 
     oldest = min(parked(url), key=lambda p: p["parked_at"])
-    subprocess.run(
-        [*CLI, "parking", "release", "--model", "tiny", "--url", url],
-        capture_output=True,
-        timeout=60,
-        check=True,
-    )
+    cli(url, "parking", "release", "--model", "tiny")
     released = first if oldest["client_pid"] == first.process.pid else second
     other = second if released is first else first
     assert released.next()["cause"] == "operator"
@@ -184,7 +183,7 @@ def test_cancel_falls_back_with_its_reason(
     standby = children("park", url, "tiny", str(tiny_fp8))
     wait_for(lambda: waiting_pids(url) == [standby.process.pid])
     (entry,) = parked(url)
-    subprocess.run([*CLI, "parking", "cancel", entry["id"], "--url", url], timeout=60, check=True)
+    cli(url, "parking", "cancel", entry["id"])
     assert standby.next() == {"cause": None, "source": "disk", "reason": "park_cancelled"}
     wait_for(lambda: parked(url) == [])
 
