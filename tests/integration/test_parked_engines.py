@@ -226,12 +226,25 @@ def test_caps_bound_a_neighbour_and_long_polls_hold_no_thread(
         mine = next(p for p in parked(url) if p["client_pid"] == os.getpid())
 
         async def polls_and_a_lease() -> tuple[list[str], bool]:
+            sent = asyncio.Event()
+            count = [0]
+
+            async def trace(event: str, info: dict[str, Any]) -> None:
+                if event == "http11.send_request_body.complete":
+                    count[0] += 1
+                    if count[0] == 60:
+                        sent.set()
+
             async with httpx.AsyncClient(base_url=url, timeout=60) as client:
                 polls = [
-                    asyncio.create_task(client.get(f"/v1/parking/{mine['id']}?wait_s=30"))
+                    asyncio.create_task(
+                        client.get(
+                            f"/v1/parking/{mine['id']}?wait_s=30", extensions={"trace": trace}
+                        )
+                    )
                     for _ in range(60)
                 ]
-                await asyncio.sleep(0)  # let them all be sent
+                await asyncio.wait_for(sent.wait(), 30)  # every poll is at the daemon
                 lease = await client.post("/v1/leases", json=lease_body(ttl_s=5))
                 still_waiting = not any(p.done() for p in polls)
                 await client.post(f"/v1/parking/{mine['id']}/release")
