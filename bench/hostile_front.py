@@ -11,8 +11,9 @@ from pathlib import Path
 
 import httpx
 
-from bench.hostile_tools import Result, Target, connect, send_until_closed, status_of
+from bench.hostile_tools import Result, Target, connect
 from service.api.peer import tcp_socket
+from tests.hostile.sockets import send_until_closed, status_of
 
 
 def _big_header(target: Target) -> int:

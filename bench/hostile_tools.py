@@ -1,20 +1,21 @@
-"""What the hostile benchmark's cases share: the daemon they attack, raw sockets, checkpoint
-copies made of hard links, the daemon's resident memory, and acting as another user."""
+"""What the hostile benchmark's cases share: the daemon they attack, raw sockets (the hostile
+tests' own, :mod:`tests.hostile.sockets`), checkpoint copies made of hard links, the daemon's
+resident memory, and acting as another user (:class:`tests.hostile.users.UserAgent`)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from tests.daemon_process import DaemonProcess
+from tests.hostile import sockets
 from tests.hostile.memory import rss_bytes
+from tests.hostile.sockets import port_of
+from tests.hostile.users import UserAgent
 
 
 @dataclass
@@ -31,7 +32,7 @@ class Target:
 
     @property
     def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
+        return port_of(self.url)
 
     @property
     def pid(self) -> int:
@@ -46,39 +47,7 @@ Case = Callable[[Target, Path], Result]
 
 
 def connect(target: Target, rcvbuf: int | None = None) -> socket.socket:
-    s = socket.socket()
-    if rcvbuf is not None:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    s.settimeout(30)
-    s.connect(("127.0.0.1", target.port))
-    return s
-
-
-def status_of(s: socket.socket) -> int:
-    """The status of what the daemon wrote before closing (0: nothing)."""
-    data = b""
-    try:
-        while chunk := s.recv(65536):
-            data += chunk
-    except OSError:
-        pass
-    try:
-        return int(data.split(b" ", 2)[1])
-    except (IndexError, ValueError):
-        return 0
-
-
-def send_until_closed(s: socket.socket, head: bytes, chunk: bytes, most: int) -> int:
-    """Send ``head``, then ``chunk`` until ``most`` bytes or the daemon closes: bytes sent."""
-    sent = 0
-    try:
-        s.sendall(head)
-        while sent < most:
-            s.sendall(chunk)
-            sent += len(chunk)
-    except OSError:
-        pass
-    return sent
+    return sockets.connect(target.port, rcvbuf, timeout_s=30)
 
 
 def linked_copy(work: Path, src: Path, name: str) -> Path:
@@ -97,30 +66,13 @@ def replace_file(path: Path, data: bytes) -> None:
     path.write_bytes(data)
 
 
-AS_USER = r"""
-import json, os, sys
-import httpx
-uid, url, lease = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
-with httpx.Client(base_url=url, timeout=30) as warm:
-    warm.get("/health")
-os.setgroups([]); os.setgid(uid); os.setuid(uid)
-with httpx.Client(base_url=url, timeout=30) as c:
-    listed = c.get("/v1/leases")
-    ids = [x["id"] for x in listed.json()] if listed.status_code == 200 else []
-    tried = [c.delete(f"/v1/leases/{lease}").status_code,
-             c.post(f"/v1/leases/{lease}/renew").status_code]
-print(json.dumps({"listed": ids, "tried": tried}))
-"""
-
-
 def as_user(uid: int, url: str, lease_id: str) -> dict[str, object]:
     """What user ``uid`` sees of the leases, and its attempts to end and renew ``lease_id``."""
-    out = subprocess.run(
-        [sys.executable, "-c", AS_USER, str(uid), url, json.dumps(lease_id)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    answer: dict[str, object] = json.loads(out.stdout)
-    return answer
+    with UserAgent(url, uid) as user:
+        status, listed = user.request("GET", "/v1/leases")
+        ids = [x["id"] for x in listed] if status == 200 else []
+        tried = [
+            user.request("DELETE", f"/v1/leases/{lease_id}")[0],
+            user.request("POST", f"/v1/leases/{lease_id}/renew")[0],
+        ]
+    return {"listed": ids, "tried": tried}

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.daemon_process import DaemonProcess, lease_body, start_daemon
+from tests.hostile.sockets import port_of
 from tests.waiting import wait_for
 
 LIMITS = {
@@ -45,7 +46,7 @@ class Hostile:
 
     @property
     def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
+        return port_of(self.url)
 
     def checkpoint(self, name: str) -> Path:
         """A fresh copy of the tiny checkpoint below the allowed root, to break."""

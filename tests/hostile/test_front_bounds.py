@@ -16,40 +16,10 @@ from service.api.peer import tcp_socket
 from tests.hostile.conftest import LIMITS, Hostile
 from tests.hostile.memory import RssBack
 from tests.hostile.probe import HealthProbe
+from tests.hostile.sockets import connect, read_all, send_until_closed
 from tests.waiting import wait_for
 
 CAP = int(LIMITS["WEIGHT_CACHE_MAX_CONNECTIONS"])
-
-
-def _connect(hostile: Hostile, rcvbuf: int | None = None) -> socket.socket:
-    s = socket.socket()
-    if rcvbuf is not None:  # a small window: the daemon's answers back up at once
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    s.settimeout(10)
-    s.connect(("127.0.0.1", hostile.port))
-    return s
-
-
-def _send_until_refused(s: socket.socket, head: bytes, chunk: bytes, most: int) -> int:
-    """Send ``head`` then ``chunk`` repeatedly, up to ``most`` bytes; how many were sent before
-    the daemon closed the connection."""
-    sent = 0
-    try:
-        s.sendall(head)
-        while sent < most:
-            s.sendall(chunk)
-            sent += len(chunk)
-    except (BrokenPipeError, ConnectionResetError, TimeoutError):
-        pass
-    return sent
-
-
-def _read_all(s: socket.socket) -> bytes:
-    data = b""
-    with contextlib.suppress(OSError):
-        while chunk := s.recv(65536):
-            data += chunk
-    return data
 
 
 def _let_go(daemon_end: tuple[tuple[str, int], tuple[str, int]]) -> bool:
@@ -69,13 +39,13 @@ def test_chunked_trailers_count_against_the_header_limit(hostile: Hostile) -> No
     """Trailers after the last chunk are headers too: a 100 MB trailer is refused with 431 once
     it passes --max-header-bytes, as a header would be (the probe sent 900 MB and kept 876 MB)."""
     with RssBack(hostile.daemon.process.pid), HealthProbe(hostile.url) as probe:
-        s = _connect(hostile)
+        s = connect(hostile.port)
         head = (
             b"POST /v1/leases HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
             b"transfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-Trailer: "
         )
-        sent = _send_until_refused(s, head, b"a" * 65536, 100 * 1024 * 1024)
-        answer = _read_all(s)
+        sent = send_until_closed(s, head, b"a" * 65536, 100 * 1024 * 1024)
+        answer = read_all(s)
         s.close()
     assert sent < 10 * 1024 * 1024  # closed long before the end
     assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
@@ -85,10 +55,10 @@ def test_chunked_trailers_count_against_the_header_limit(hostile: Hostile) -> No
 
 def test_chunk_extensions_count_against_the_header_limit(hostile: Hostile) -> None:
     """Chunk extensions are framing, not body: a chunk header of megabytes is refused too."""
-    s = _connect(hostile)
+    s = connect(hostile.port)
     head = b"POST /v1/leases HTTP/1.1\r\nHost: x\r\ntransfer-encoding: chunked\r\n\r\n2;ext="
-    sent = _send_until_refused(s, head, b"b" * 65536, 50 * 1024 * 1024)
-    answer = _read_all(s)
+    sent = send_until_closed(s, head, b"b" * 65536, 50 * 1024 * 1024)
+    answer = read_all(s)
     s.close()
     assert sent < 10 * 1024 * 1024
     assert answer.startswith(b"HTTP/1.1 431 ") or not answer  # the parser may refuse it first
@@ -104,7 +74,7 @@ def test_pipelining_without_reading_is_cut_off(hostile: Hostile) -> None:
     cut_off: list[bool] = []
 
     def flood() -> None:
-        s = _connect(hostile)
+        s = connect(hostile.port)
         daemon_end = (s.getpeername(), s.getsockname())
 
         def read_by_daemon() -> bool:
@@ -143,7 +113,7 @@ def test_a_client_that_stops_reading_its_answers_is_cut_off(hostile: Hostile) ->
     answers back up past the socket, the connection has --request-timeout to drain, then it is
     aborted (counted as request_timeout) and its slot freed."""
     before = _refusals(hostile, "request_timeout")
-    s = _connect(hostile, rcvbuf=2048)
+    s = connect(hostile.port, rcvbuf=2048)
     daemon_end = (s.getpeername(), s.getsockname())
 
     def sent_by_daemon() -> int:
@@ -178,7 +148,7 @@ def test_idle_connections_cannot_lock_others_out(hostile: Hostile) -> None:
     with RssBack(hostile.daemon.process.pid), HealthProbe(hostile.url) as probe:
         try:
             for i in range(CAP + 8):
-                s = _connect(hostile)
+                s = connect(hostile.port)
                 if i % 2:
                     s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
                     assert s.recv(65536).startswith(b"HTTP/1.1 200")
@@ -198,14 +168,14 @@ def test_connections_all_busy_are_refused_at_once(hostile: Hostile) -> None:
     busy: list[socket.socket] = []
     try:
         for _ in range(CAP + 4):
-            s = _connect(hostile)
+            s = connect(hostile.port)
             # Headers complete, body still to come: in the daemon's hands, not idle.
             s.sendall(
                 b"POST /v1/leases HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
                 b"content-length: 100\r\n\r\n{"
             )
             busy.append(s)
-        answer = _read_all(busy[-1])
+        answer = read_all(busy[-1])
     finally:
         for s in busy:
             s.close()

@@ -1,0 +1,50 @@
+"""Raw HTTP over a socket, as a hostile client speaks it: connect (with a small receive window
+if asked), send until the daemon closes, read what it wrote before closing. Used by the hostile
+tests and by ``bench.hostile``."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def connect(port: int, rcvbuf: int | None = None, timeout_s: float = 10) -> socket.socket:
+    s = socket.socket()
+    if rcvbuf is not None:  # a small window: the daemon's answers back up at once
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(timeout_s)
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def send_until_closed(s: socket.socket, head: bytes, chunk: bytes, most: int) -> int:
+    """Send ``head`` then ``chunk`` repeatedly, up to ``most`` bytes; how many were sent before
+    the daemon closed the connection (or stopped reading it past the socket's timeout)."""
+    sent = 0
+    with contextlib.suppress(OSError):
+        s.sendall(head)
+        while sent < most:
+            s.sendall(chunk)
+            sent += len(chunk)
+    return sent
+
+
+def read_all(s: socket.socket) -> bytes:
+    """Everything the daemon writes until it closes (or the socket's timeout)."""
+    data = b""
+    with contextlib.suppress(OSError):
+        while chunk := s.recv(65536):
+            data += chunk
+    return data
+
+
+def status_of(s: socket.socket) -> int:
+    """The status of what the daemon wrote before closing (0: nothing)."""
+    try:
+        return int(read_all(s).split(b" ", 2)[1])
+    except (IndexError, ValueError):
+        return 0
