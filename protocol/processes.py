@@ -3,21 +3,41 @@ waiting engines) and the engine side (waiting for an ended engine's GPU memory).
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+from typing import NamedTuple
+
+
+class ProcessStatus(NamedTuple):
+    owner: int  # the uid that owns the process
+    start: int  # its start time in clock ticks (tells it from a later one with its pid)
+    state: str  # its state letter (Z: a zombie)
+
+
+def process_status(pid: int) -> ProcessStatus | None:
+    """Owner, start time and state of ``pid`` from one open of /proc/<pid>/stat, if visible."""
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        owner = os.fstat(fd).st_uid
+        stat = os.read(fd, 4096).decode(errors="replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    # The command name may hold spaces and parentheses: split after its closing ")".
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return ProcessStatus(owner, int(fields[19]), fields[0])
 
 
 def process_start(pid: int) -> tuple[int, str] | None:
     """(start time in clock ticks, state letter) from /proc/<pid>/stat, if visible."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name may hold spaces and parentheses: split after its closing ")".
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return int(fields[19]), fields[0]
+    status = process_status(pid)
+    return None if status is None else (status.start, status.state)
 
 
 def process_ended(pid: int) -> bool:
     """Whether ``pid`` has ended: no such process, or a zombie its parent has not reaped."""
-    started = process_start(pid)
-    return started is None or started[1] in ("Z", "X")
+    status = process_status(pid)
+    return status is None or status.state in ("Z", "X")

@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass
 
 from protocol.errors import ClientNotVisibleError, ClientNotYoursError
-from protocol.processes import process_start
+from protocol.processes import process_status
 
 
 @dataclass(frozen=True)
@@ -70,15 +70,12 @@ class Holder:
 
 
 def _visible(pid: int) -> tuple[int, int] | None:
-    """(owner uid, start time) of a live process the daemon can see, else ``None``."""
-    try:
-        owner = os.stat(f"/proc/{pid}").st_uid
-    except OSError:
+    """(owner uid, start time) of a live process the daemon can see, else ``None`` (one read
+    of /proc: this is on every grant's path)."""
+    status = process_status(pid)
+    if status is None or status.state in ("Z", "X"):
         return None
-    started = process_start(pid)
-    if started is None or started[1] in ("Z", "X"):
-        return None
-    return owner, started[0]
+    return status.owner, status.start
 
 
 def prove_holder(caller: Caller, client_pid: int) -> Holder:
