@@ -14,18 +14,25 @@ class ProcessStatus(NamedTuple):
 
 
 def process_status(pid: int) -> ProcessStatus | None:
-    """Owner, start time and state of ``pid`` from one open of /proc/<pid>/stat, if visible."""
+    """Owner, start time and state of ``pid``, if visible: its /proc directory opened once, and
+    its ``stat`` read through that (the same process, even if the pid is reused meanwhile). The
+    owner is the directory's: a process that changed its uid is not dumpable, and the files
+    inside then show root."""
     try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+        folder = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return None
     try:
-        owner = os.fstat(fd).st_uid
-        stat = os.read(fd, 4096).decode(errors="replace")
+        owner = os.fstat(folder).st_uid
+        fd = os.open("stat", os.O_RDONLY, dir_fd=folder)
+        try:
+            stat = os.read(fd, 4096).decode(errors="replace")
+        finally:
+            os.close(fd)
     except OSError:
         return None
     finally:
-        os.close(fd)
+        os.close(folder)
     # The command name may hold spaces and parentheses: split after its closing ")".
     fields = stat[stat.rindex(")") + 2 :].split()
     return ProcessStatus(owner, int(fields[19]), fields[0])
