@@ -9,10 +9,14 @@ limit at all). This module is the one place that touches uvicorn's internals; it
 against uvicorn ``UVICORN_VERSION`` and ``tests/service/api/test_front_pin.py`` fails on any
 other version. The bounds:
 
-- **connections**: at most ``max_connections``. At the cap, the connection idle longest (no
-  request in the daemon's hands: keep-alive, or still sending its request) makes way for the new
-  one, as nginx reuses idle keep-alive connections when it runs out; when none is idle the new
-  connection is answered 503 at once, before any per-connection state exists.
+- **connections**: at most ``max_connections``. At the cap, an idle connection (no request in
+  the daemon's hands) makes way for the new one, as nginx reuses idle keep-alive connections
+  when it runs out: first the oldest that has not yet finished a request (it sent nothing, or
+  part of a request), then the oldest keep-alive one between requests. A client that has been
+  answered is the last to lose its connection, because closing one between requests can race a
+  request it is sending (it sees a disconnect and no answer), while a connection that never
+  finished a request loses nothing. When none is idle the new connection is answered 503 at
+  once, before any per-connection state exists.
 - **framing bytes**: a request's line, headers, chunk headers and trailers, everything but its
   body, at most ``max_header_bytes`` (431), counted as they arrive, so a trailer of gigabytes
   costs no more than a header of them.
@@ -96,8 +100,10 @@ def guarded_protocol(limits: FrontLimits) -> type[asyncio.Protocol]:
         "a request in progress",
         limit=limits.max_connections,
     )
-    # Connections with no request in the daemon's hands, the longest idle first.
-    idle: dict[GuardedHttpToolsProtocol, None] = {}
+    # Connections with no request in the daemon's hands, the longest idle first in each: those
+    # that have not finished a request yet, and keep-alive ones between requests.
+    unproven: dict[GuardedHttpToolsProtocol, None] = {}
+    between: dict[GuardedHttpToolsProtocol, None] = {}
 
     def count(code: str) -> None:
         if limits.on_refuse is not None:
@@ -124,16 +130,19 @@ def guarded_protocol(limits: FrontLimits) -> type[asyncio.Protocol]:
                 return
             self.peer = ConnectionPeer(unix_credentials(transport.get_extra_info("socket")))
             super().connection_made(transport)
-            idle[self] = None
+            unproven[self] = None
             self._arm()
 
         @staticmethod
         def _make_way() -> bool:
-            """Close the connection idle longest, if any, for a new one."""
-            victim = next(iter(idle), None)
+            """Close an idle connection, if any, for a new one: the oldest that has not finished
+            a request, else the oldest between requests."""
+            victim = next(iter(unproven), None)
+            if victim is None:
+                victim = next(iter(between), None)
             if victim is None:
                 return False
-            del idle[victim]
+            victim._not_idle()
             if victim._framing:  # part of a request came: say why it ends
                 victim._refuse(too_many)
             else:
@@ -143,10 +152,14 @@ def guarded_protocol(limits: FrontLimits) -> type[asyncio.Protocol]:
         def connection_lost(self, exc: Exception | None) -> None:
             if self._turned_away:
                 return
-            idle.pop(self, None)
+            self._not_idle()
             self._disarm()
             self._unstall()
             super().connection_lost(exc)
+
+        def _not_idle(self) -> None:
+            unproven.pop(self, None)
+            between.pop(self, None)
 
         def _close_now(self) -> None:
             """Close, dropping what the client has not read (a close would wait for it)."""
@@ -300,7 +313,7 @@ def guarded_protocol(limits: FrontLimits) -> type[asyncio.Protocol]:
                 return
             super().on_headers_complete()
             self._current = self.cycle
-            idle.pop(self, None)
+            self._not_idle()
 
         def on_chunk_header(self) -> None:
             self._chunks += 1
@@ -321,8 +334,8 @@ def guarded_protocol(limits: FrontLimits) -> type[asyncio.Protocol]:
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing() and not self.pipeline:
-                idle.pop(self, None)
-                idle[self] = None  # idle since now: the last to make way
+                between.pop(self, None)
+                between[self] = None  # idle since now: the last to make way
 
     return GuardedHttpToolsProtocol
 

@@ -22,16 +22,24 @@ def _connect(hostile: Hostile) -> socket.socket:
 
 
 def _answer(s: socket.socket) -> tuple[int, dict]:
-    """Status and problem body of what the daemon wrote before closing."""
+    """Status and problem body of what the daemon wrote before closing; status 0 when it
+    closed without a word (a connection that made way before sending anything). Raises
+    ``TimeoutError`` when the daemon neither answered nor closed within the socket's timeout."""
     data = b""
     while True:
         try:
             chunk = s.recv(65536)
-        except (ConnectionResetError, TimeoutError):
+        except ConnectionResetError:
             break
+        except TimeoutError:
+            if data:
+                break
+            raise
         if not chunk:
             break
         data += chunk
+    if not data:
+        return 0, {}
     head, _, body = data.partition(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
     return status, json.loads(body) if body else {}
@@ -112,7 +120,7 @@ def test_slow_body_times_out(hostile: Hostile) -> None:
 
 def test_connections_beyond_the_cap_make_the_idle_ones_way(hostile: Hostile) -> None:
     """60 connections that send nothing against a cap of 32: each new one is let in and the
-    connection idle longest is closed for it, so the newest are served and the oldest closed
+    oldest of them is closed for it, so the newest are served and the oldest closed
     at once (not after the request timeout)."""
     with HealthProbe(hostile.url) as probe:
         socks = [_connect(hostile) for _ in range(60)]
@@ -127,6 +135,37 @@ def test_connections_beyond_the_cap_make_the_idle_ones_way(hostile: Hostile) -> 
     probe.assert_answered()
 
 
+def _get_health(s: socket.socket) -> bytes:
+    """One keep-alive ``GET /health`` on ``s``: the whole answer's bytes (b"" once closed)."""
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    data = b""
+    while b"\r\n\r\n" not in data or not data.endswith(b"}"):
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def test_a_client_between_requests_is_the_last_to_make_way(hostile: Hostile) -> None:
+    """At the cap, connections that have not finished a request make way before a keep-alive
+    connection between requests (closing that one could race a request its client is sending):
+    the answered client, the oldest connection of all, keeps its connection through 60
+    newcomers against a cap of 32, half of which sent part of a request."""
+    kept = _connect(hostile)
+    assert _get_health(kept).startswith(b"HTTP/1.1 200")
+    newcomers = [_connect(hostile) for _ in range(60)]
+    for s in newcomers[::2]:
+        s.sendall(b"GET /he")
+    newest = newcomers[-1]
+    assert _get_health(newest).startswith(b"HTTP/1.1 200")  # all 60 were let in, in turn
+    assert _get_health(kept).startswith(b"HTTP/1.1 200")
+    newcomers[1].settimeout(0.5)  # an old newcomer made way, well before its deadline
+    assert newcomers[1].recv(4096) == b""
+    for s in [kept, *newcomers]:
+        s.close()
+
+
 def test_idle_connections_do_not_pile_up(hostile: Hostile) -> None:
     """Half-open connections are closed by the request deadline, so a client that opens them
     in a loop never holds more than the cap, and file descriptors stay bounded."""
@@ -138,7 +177,7 @@ def test_idle_connections_do_not_pile_up(hostile: Hostile) -> None:
                 s.sendall(b"GET /")
             for s in socks:
                 status, _ = _answer(s)
-                closed += status in (408, 503)
+                closed += status in (0, 408, 503)  # made way, timed out, or made way mid-request
                 s.close()
     assert closed == 120
     fds = len(
