@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from protocol.fd_passing import peer_credentials
+
 # linux/netlink.h, linux/sock_diag.h, linux/inet_diag.h
 _NETLINK_SOCK_DIAG = 4
 _SOCK_DIAG_BY_FAMILY = 20
@@ -48,8 +50,7 @@ def unix_credentials(sock: Any) -> PeerCredentials | None:
     """``SO_PEERCRED`` of a Unix-socket connection (``None`` for any other socket)."""
     if getattr(sock, "family", None) != socket.AF_UNIX:
         return None
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _gid = struct.unpack("3i", raw)
+    pid, uid, _gid = peer_credentials(sock)
     return PeerCredentials(uid=uid, pid=pid or None, via="unix")
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from tests.hostile.conftest import Hostile
 from tests.hostile.probe import HealthProbe
+from tests.hostile.sockets import read_all
 
 
 def _connect(hostile: Hostile) -> socket.socket:
@@ -224,14 +225,6 @@ def test_garbage_and_pipelined_requests(hostile: Hostile) -> None:
         s = _connect(hostile)
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * 100)
         s.settimeout(5)
-        assert _read_to_end(s).count(b"HTTP/1.1 200") < 100
+        assert read_all(s).count(b"HTTP/1.1 200") < 100
         s.close()
     probe.assert_answered()
-
-
-def _read_to_end(s: socket.socket) -> bytes:
-    data = b""
-    with contextlib.suppress(ConnectionResetError):
-        while chunk := s.recv(65536):
-            data += chunk
-    return data
