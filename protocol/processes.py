@@ -12,6 +12,11 @@ class ProcessStatus(NamedTuple):
     start: int  # its start time in clock ticks (tells it from a later one with its pid)
     state: str  # its state letter (Z: a zombie)
 
+    @property
+    def ended(self) -> bool:
+        """A zombie its parent has not reaped, or one being torn down: it runs no more."""
+        return self.state in ("Z", "X")
+
 
 def process_status(pid: int) -> ProcessStatus | None:
     """Owner, start time and state of ``pid``, if visible: its /proc directory opened once, and
@@ -38,13 +43,7 @@ def process_status(pid: int) -> ProcessStatus | None:
     return ProcessStatus(owner, int(fields[19]), fields[0])
 
 
-def process_start(pid: int) -> tuple[int, str] | None:
-    """(start time in clock ticks, state letter) from /proc/<pid>/stat, if visible."""
-    status = process_status(pid)
-    return None if status is None else (status.start, status.state)
-
-
 def process_ended(pid: int) -> bool:
     """Whether ``pid`` has ended: no such process, or a zombie its parent has not reaped."""
     status = process_status(pid)
-    return status is None or status.state in ("Z", "X")
+    return status is None or status.ended

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from protocol.devices import Placement
-from protocol.processes import process_start
+from protocol.processes import process_status
 from protocol.schemas.inventory import DeviceInfo
 from protocol.schemas.manifest import DeviceIdentity, DeviceKind
 from service.memory.footprint import gpu_footprint
@@ -106,13 +106,12 @@ def process_alive(pid: int, start_ticks: int | None = None) -> bool:
         return False
     except PermissionError:
         pass
-    ticks_state = process_start(pid)
-    if ticks_state is None:
+    status = process_status(pid)
+    if status is None:
         return True  # no /proc view; trust kill(0)
-    ticks, state = ticks_state
-    if state in ("Z", "X"):
+    if status.ended:
         return False
-    return start_ticks is None or ticks == start_ticks
+    return start_ticks is None or status.start == start_ticks
 
 
 def use_plain_cuda_allocations() -> None:

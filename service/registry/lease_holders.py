@@ -73,7 +73,7 @@ def _visible(pid: int) -> tuple[int, int] | None:
     """(owner uid, start time) of a live process the daemon can see, else ``None`` (one read
     of /proc: this is on every grant's path)."""
     status = process_status(pid)
-    if status is None or status.state in ("Z", "X"):
+    if status is None or status.ended:
         return None
     return status.owner, status.start
 

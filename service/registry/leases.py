@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from protocol.errors import DaemonRestartedError, LeaseExpiredError, LeaseNotFoundError
-from protocol.processes import process_start
 from protocol.schemas.leases import LeaseInfo
 from service.logsafe import get_logger
 from service.memory.devices import process_alive
@@ -70,14 +69,6 @@ class Lease:
             ttl_s=self.ttl_s,
             renewals=self.renewals,
         )
-
-
-def client_start(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks), if ``/proc`` shows it: with the PID, what
-    tells this client from a later process that reuses its PID (procfs is memory, never a
-    disk or a FIFO)."""
-    started = process_start(pid)
-    return started[0] if started else None
 
 
 class SweptAlong(Protocol):

@@ -10,12 +10,13 @@ import pytest
 
 from protocol.errors import DaemonRestartedError, LeaseExpiredError, LeaseNotFoundError
 from service.registry.lease_holders import Holder
-from service.registry.leases import Lease, LeaseEnd, LeaseTable, client_start
+from service.registry.leases import Lease, LeaseEnd, LeaseTable
+from tests.service.registry.processes import start_of
 
 
 def add(table: LeaseTable, pid: int, ttl_s: float, now: float, uid: int = 0) -> Lease:
     """A lease of model "m", rank 0 of 1, held by process ``pid`` of ``uid``."""
-    holder = Holder(uid=uid, pid=pid, pid_start=client_start(pid))
+    holder = Holder(uid=uid, pid=pid, pid_start=start_of(pid))
     return table.add("m", 0, 1, pid, ttl_s=ttl_s, now=now, holder=holder)
 
 

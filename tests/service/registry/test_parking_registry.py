@@ -21,9 +21,9 @@ from protocol.errors import (
 )
 from protocol.schemas.parking import ParkRequest, ParkState, ReleaseCause
 from service.registry.lease_holders import Caller, Holder
-from service.registry.leases import client_start
 from service.registry.parking import Parked, ParkingLot
 from service.registry.waiting_rules import WaitingCaps
+from tests.service.registry.processes import start_of
 
 ME = os.getpid()
 OWNER = Caller.local()  # the daemon's own user: trusted
@@ -73,7 +73,7 @@ class Lot:
             group=group,
             if_serving=if_serving,
         )
-        return self.lot.park(req, now, Holder(uid=uid, pid=pid, pid_start=client_start(pid)))
+        return self.lot.park(req, now, Holder(uid=uid, pid=pid, pid_start=start_of(pid)))
 
     def ended(self, rank: int = 0, tp: int = 1, model: str = "m", gone: bool = True) -> None:
         """An engine's lease on ``model`` rank ``rank`` ended (its process gone, or a PID the
@@ -144,7 +144,7 @@ def test_a_group_still_parking_its_ranks_is_released_once_complete() -> None:
 def test_a_lease_released_by_a_live_process_counts_once_the_process_is_gone() -> None:
     lot = Lot()
     lot.park("a", pid=1)  # PID 1 (init): watched, alive
-    start = client_start(ME)
+    start = start_of(ME)
     assert start is not None
     lot.lot.lease_ended("m", 0, 1, ME, start, process_gone=False, now=5.0)
     assert lot.states() == {"a/0": ParkState.parked}  # its KV cache may still be allocated
@@ -158,7 +158,7 @@ def test_a_lease_released_by_a_live_process_counts_once_the_process_is_gone() ->
 def test_a_parked_engine_whose_process_is_gone_is_forgotten() -> None:
     lot = Lot()
     entry = lot.park("a")
-    start = client_start(ME)
+    start = start_of(ME)
     assert start is not None
     assert lot.lot.process_gone(ME, start, now=1.0) == [entry]
     assert lot.lot.entries(caller=OWNER) == [] and entry.id in lot.changed

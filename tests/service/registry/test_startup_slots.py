@@ -19,9 +19,9 @@ from protocol.errors import (
 )
 from protocol.schemas.startup_slots import SlotRequest, SlotState
 from service.registry.lease_holders import Caller, Holder
-from service.registry.leases import client_start
 from service.registry.startup_slots import StartupSlots, Ticket
 from service.registry.waiting_rules import WaitingCaps
+from tests.service.registry.processes import start_of
 
 ME = os.getpid()
 OWNER = Caller.local()  # the daemon's own user: trusted
@@ -54,7 +54,7 @@ class Slots:
         uid: int | None = OWNER.uid,
     ) -> Ticket:
         req = SlotRequest(device=device, tp_rank=rank, tp_size=tp, client_pid=pid, group=group)
-        return self.slots.take(req, now, Holder(uid=uid, pid=pid, pid_start=client_start(pid)))
+        return self.slots.take(req, now, Holder(uid=uid, pid=pid, pid_start=start_of(pid)))
 
     def held(self) -> list[str]:
         return [
@@ -116,7 +116,7 @@ def test_a_waiting_group_holds_back_later_ones_on_its_gpus() -> None:
 
 def test_dead_and_stuck_holders_lose_the_slot() -> None:
     s = Slots()
-    start = client_start(ME)
+    start = start_of(ME)
     assert start is not None
     mine = s.take("GPU-0", "mine")
     theirs = s.take("GPU-0", "theirs", pid=1)
