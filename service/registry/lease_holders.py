@@ -68,6 +68,10 @@ class Holder:
     def watched(self) -> bool:
         return self.pid is not None and self.pid_start is not None
 
+    def pid_or(self, named: int) -> int:
+        """The pid to record: the proven one, else the one the request ``named``."""
+        return self.pid if self.pid is not None else named
+
 
 def _visible(pid: int) -> tuple[int, int] | None:
     """(owner uid, start time) of a live process the daemon can see, else ``None`` (one read

@@ -36,7 +36,7 @@ from protocol.schemas.parking import (
 )
 from service.registry.lease_holders import Caller, Holder
 from service.registry.waiting_rules import (
-    Member,
+    Joining,
     Registration,
     WaitingCaps,
     check_joins_group,
@@ -56,6 +56,10 @@ class Parked(Registration):
     state: ParkState = ParkState.parked
     released_at: float | None = None
     cause: ReleaseCause | None = None
+
+    @property
+    def kind(self) -> object:
+        return self.model  # the ranks of one engine park for one model
 
     @property
     def key(self) -> GroupKey:
@@ -110,25 +114,15 @@ class ParkingLot:
     def park(self, req: ParkRequest, now: float, holder: Holder) -> Parked:
         """Register a parked engine (rank) for ``holder`` (proven outside the lock); released at
         once if engines of its model ended while others of its kind already waited."""
-        client_pid = holder.pid if holder.pid is not None else req.client_pid
+        client_pid = holder.pid_or(req.client_pid)
         with self.lock:
             if self.known_model is not None:
                 self.known_model(req.model)
-            self.caps.check(
-                "parked engines",
-                (
-                    (p.holder_uid, p.client_pid if p.pid_start else None)
-                    for p in self.parked.values()
-                ),
-                holder,
-            )
+            self.caps.check("parked engines", self.parked.values(), holder)
             check_joins_group(
                 req.group,
-                (
-                    Member(m.holder_uid, m.tp_rank, m.tp_size, m.model)
-                    for m in self._members(req.group)
-                ),
-                Member(holder.uid, req.tp_rank, req.tp_size, req.model),
+                self._members(req.group),
+                Joining(holder.uid, req.tp_rank, req.tp_size, req.model),
             )
             entry = Parked(
                 id=Registration.new_id(self.boot_id),

@@ -30,7 +30,7 @@ from protocol.schemas.startup_slots import SlotRequest, SlotState, SlotTicket
 from service.logsafe import get_logger
 from service.registry.lease_holders import Caller, Holder
 from service.registry.waiting_rules import (
-    Member,
+    Joining,
     Registration,
     WaitingCaps,
     check_joins_group,
@@ -83,24 +83,13 @@ class StartupSlots:
     def take(self, req: SlotRequest, now: float, holder: Holder) -> Ticket:
         """A ticket for ``req.device`` for ``holder`` (proven outside the lock): held at once if
         the GPU is free, else waiting."""
-        client_pid = holder.pid if holder.pid is not None else req.client_pid
+        client_pid = holder.pid_or(req.client_pid)
         with self.lock:
-            self.caps.check(
-                "start-up slot tickets",
-                (
-                    (t.holder_uid, t.client_pid if t.pid_start else None)
-                    for t in self.tickets.values()
-                ),
-                holder,
-            )
+            self.caps.check("start-up slot tickets", self.tickets.values(), holder)
             check_joins_group(
                 req.group,
-                (
-                    Member(t.holder_uid, t.tp_rank, t.tp_size, None)
-                    for t in self.tickets.values()
-                    if t.group == req.group
-                ),
-                Member(holder.uid, req.tp_rank, req.tp_size, None),
+                (t for t in self.tickets.values() if t.group == req.group),
+                Joining(holder.uid, req.tp_rank, req.tp_size, None),
             )
             ticket = Ticket(
                 id=Registration.new_id(self.boot_id),

@@ -35,6 +35,16 @@ class Registration:
     holder_uid: int | None  # the caller's uid as the kernel proved it (None: a token holder)
     expires_at: float
 
+    @property
+    def watched_pid(self) -> int | None:
+        """The process the daemon watches for it, if any (what per-process caps count)."""
+        return self.client_pid if self.pid_start is not None else None
+
+    @property
+    def kind(self) -> object:
+        """What else the ranks of one group must share (nothing, unless a subclass says)."""
+        return None
+
     @staticmethod
     def new_id(boot_id: str) -> str:
         return f"{boot_id}.{secrets.token_hex(12)}"
@@ -88,19 +98,17 @@ class WaitingCaps:
     per_uid: int  # --max-parked-per-uid
     per_client: int  # --max-parked-per-client
 
-    def check(
-        self, what: str, registered: Iterable[tuple[int | None, int | None]], holder: Holder
-    ) -> None:
-        """Refuse one more ``what`` (say "parked engines") for ``holder``, given the (holder
-        uid, watched pid) of every registration kept. A holder whose process the daemon cannot see
-        (another container's pid, likely the same small number as its neighbours') is counted
-        by its user alone, as leases are."""
+    def check(self, what: str, registered: Iterable[Registration], holder: Holder) -> None:
+        """Refuse one more ``what`` (say "parked engines") for ``holder``, given every
+        registration kept. A holder whose process the daemon cannot see (another container's
+        pid, likely the same small number as its neighbours') is counted by its user alone, as
+        leases are."""
         kept = list(registered)
         if len(kept) >= self.total:
             raise TooManyParkedError(
                 f"the daemon keeps at most {self.total} {what}", limit=self.total
             )
-        theirs = sum(1 for uid, _ in kept if uid == holder.uid)
+        theirs = sum(1 for r in kept if r.holder_uid == holder.uid)
         if holder.uid is not None and theirs >= self.per_uid:
             raise TooManyUserParkedError(
                 f"uid {holder.uid} has {theirs} {what}", uid=holder.uid, limit=self.per_uid
@@ -108,7 +116,7 @@ class WaitingCaps:
         pid = holder.pid
         if pid is None:
             return
-        mine = sum(1 for _, other in kept if other == pid)
+        mine = sum(1 for r in kept if r.watched_pid == pid)
         if mine >= self.per_client:
             raise TooManyClientParkedError(
                 f"process {pid} has {mine} {what}", client_pid=pid, limit=self.per_client
@@ -116,16 +124,16 @@ class WaitingCaps:
 
 
 @dataclass(frozen=True)
-class Member:
-    """What a group's check needs of one registration already in it."""
+class Joining:
+    """What a group's check needs of the registration asking to join it."""
 
     holder_uid: int | None
     tp_rank: int
     tp_size: int
-    kind: object  # what else must match (the model of a parked engine; nothing for a slot)
+    kind: object  # what else must match (:attr:`Registration.kind`)
 
 
-def check_joins_group(group: str, members: Iterable[Member], joining: Member) -> None:
+def check_joins_group(group: str, members: Iterable[Registration], joining: Joining) -> None:
     """Refuse ``joining`` into ``group`` when another user's engine holds it, or when the group
     already has its rank or is of another TP size or kind."""
     kept = list(members)
