@@ -7,6 +7,7 @@ import enum
 from typing import Any, ClassVar
 
 from protocol.reasons import Reason
+from protocol.schemas.text import printable_tree
 
 _REGISTRY: dict[str, type[WeightCacheError]] = {}
 
@@ -49,16 +50,20 @@ class WeightCacheError(Exception):
         return f"{self}: {hint}" if hint else str(self)
 
     def problem_fields(self) -> dict[str, Any]:
-        """The body of the problem document, before the schema wraps it."""
-        return {
-            "type": f"urn:weight-cache:problem:{self.code}",
-            "title": self.title,
-            "status": self.status,
-            "detail": self.detail,
-            "code": self.code,
-            **({"hint": self.hint} if self.hint else {}),
-            **self.extra,
-        }
+        """The body of the problem document, before the schema wraps it: every string in it
+        printable (a path's odd bytes escaped), so every carrier of it serialises."""
+        fields: dict[str, Any] = printable_tree(
+            {
+                "type": f"urn:weight-cache:problem:{self.code}",
+                "title": self.title,
+                "status": self.status,
+                "detail": self.detail,
+                "code": self.code,
+                **({"hint": self.hint} if self.hint else {}),
+                **self.extra,
+            }
+        )
+        return fields
 
 
 _REGISTRY[WeightCacheError.code] = WeightCacheError

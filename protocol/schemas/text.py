@@ -1,14 +1,14 @@
 """Text that always serialises: names from the filesystem, shown with their odd bytes escaped.
 
 A file name is bytes; Python carries the bytes that are not UTF-8 as lone surrogates
-(``surrogateescape``), which no JSON encoder writes. A checkpoint behind such a name made every
-view that showed its path answer 500. Paths and details in answers go through :func:`printable`:
+(``surrogateescape``), which no JSON encoder writes, so an answer showing such a path could not
+be serialised. Paths and details in answers go through :func:`printable`:
 ``ckpt-\\xff`` for the byte 0xff, readable, one line, and valid JSON.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BeforeValidator
 
@@ -28,9 +28,17 @@ def printable(value: str) -> str:
     return raw.decode("utf-8", "backslashreplace")
 
 
-def _printable(value: object) -> object:
-    return printable(value) if isinstance(value, str) else value
+def printable_tree(value: Any) -> Any:
+    """``value`` with every string in it, through dicts, lists and tuples, made
+    :func:`printable` (anything else is returned as it is)."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {str(k): printable_tree(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [printable_tree(v) for v in value]
+    return value
 
 
 # A str field whose value is made printable on the way in (paths, file names, details).
-PrintableStr = Annotated[str, BeforeValidator(_printable)]
+PrintableStr = Annotated[str, BeforeValidator(printable_tree)]

@@ -26,9 +26,9 @@ import anyio.to_thread
 from pydantic import SecretStr
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from protocol.errors import PeerNotAllowedError, UnauthorizedError, WeightCacheError
+from protocol.errors import PeerNotAllowedError, UnauthorizedError
 from service.api.peer import PEER_KEY, ConnectionPeer, PeerCredentials
-from service.api.problems import REFUSED, log_refusal, problem_response
+from service.api.problems import refuse
 from service.registry.lease_holders import Caller
 
 OPEN_PATHS = frozenset({"/health", "/ready"})
@@ -85,15 +85,6 @@ class Authenticate:
         self.trust_local_users = trust_local_users
         self.on_refuse = on_refuse
 
-    async def _refuse(
-        self, scope: Scope, receive: Receive, send: Send, error: WeightCacheError
-    ) -> None:
-        scope[REFUSED] = True
-        if self.on_refuse is not None:
-            self.on_refuse(error.code)
-        log_refusal(scope.get("method", "?"), scope.get("path", "?"), error)
-        await problem_response(error)(scope, receive, send)
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("path") in OPEN_PATHS:
             await self.app(scope, receive, send)
@@ -104,23 +95,19 @@ class Authenticate:
             header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not bearer_matches(header.decode("latin-1"), token):
                 unauthorized = UnauthorizedError("send 'Authorization: Bearer <token>'")
-                await self._refuse(scope, receive, send, unauthorized)
+                await refuse(scope, receive, send, unauthorized, self.on_refuse)
                 return
             showed_token = True
         peer = await peer_of(scope)
-        if (
-            not showed_token
-            and not self.trust_local_users
-            and peer.via == "tcp"
-            and peer.uid not in (0, os.geteuid())
-        ):
+        caller = Caller(uid=peer.uid, pid=peer.pid, token=showed_token, via=peer.via)
+        if not caller.trusted and not self.trust_local_users and caller.via == "tcp":
             who = "an unknown user" if peer.uid is None else f"uid {peer.uid}"
             error = PeerNotAllowedError(
                 f"without a token this daemon serves only its own user (uid {os.geteuid()}) "
                 f"and root over TCP; this request comes from {who}",
                 uid=peer.uid,
             )
-            await self._refuse(scope, receive, send, error)
+            await refuse(scope, receive, send, error, self.on_refuse)
             return
-        scope[CALLER_KEY] = Caller(uid=peer.uid, pid=peer.pid, token=showed_token, via=peer.via)
+        scope[CALLER_KEY] = caller
         await self.app(scope, receive, send)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from protocol.errors import PayloadTooLargeError
-from service.api.problems import REFUSED, log_refusal, problem_response
+from service.api.problems import refuse
 
 
 class BodySizeLimit:
@@ -21,14 +21,10 @@ class BodySizeLimit:
         self.on_refuse = on_refuse
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        scope[REFUSED] = True  # the app's own answer, if any, is dropped and not counted
-        if self.on_refuse is not None:
-            self.on_refuse(PayloadTooLargeError.code)
         error = PayloadTooLargeError(
             f"request body exceeds {self.max_bytes} bytes", limit=self.max_bytes
         )
-        log_refusal(scope.get("method", "?"), scope.get("path", "?"), error)
-        await problem_response(error)(scope, receive, send)
+        await refuse(scope, receive, send, error, self.on_refuse)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

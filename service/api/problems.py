@@ -3,29 +3,29 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from protocol.errors import (
     InvalidRequestError,
     MethodNotAllowedError,
-    ModelLoadingError,
     NotFoundError,
     UnauthorizedError,
     WeightCacheError,
 )
 from protocol.schemas.problem import Problem
-from protocol.schemas.text import printable
 from service.logsafe import get_logger
 
 log = get_logger(__name__)
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
-REFUSED = "weight_cache.body_refused"  # scope key set once the body limit has answered
+REFUSED = "weight_cache.body_refused"  # scope key set once a middleware has answered
 
 
 def log_refusal(method: str, path: str, error: WeightCacheError) -> None:
@@ -35,27 +35,31 @@ def log_refusal(method: str, path: str, error: WeightCacheError) -> None:
     log.log(level, "refused %s %s: %d %s: %s", method, path, error.status, error.code, error.detail)
 
 
-def _printable(value: Any) -> Any:
-    """Strings in a problem document made printable (a path's odd bytes escaped), so the
-    document always serialises."""
-    if isinstance(value, str):
-        return printable(value)
-    if isinstance(value, dict):
-        return {str(k): _printable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_printable(v) for v in value]
-    return value
-
-
 def problem_response(error: WeightCacheError, **headers: str) -> JSONResponse:
-    body = _printable(error.problem_fields())
-    if isinstance(error, ModelLoadingError) or "retry_after_s" in error.extra:
+    body = error.problem_fields()
+    if "retry_after_s" in error.extra:
         headers["Retry-After"] = str(error.extra.get("retry_after_s", 1))
     if isinstance(error, UnauthorizedError):
         headers["WWW-Authenticate"] = 'Bearer realm="weight-cache"'
     return JSONResponse(
         body, status_code=error.status, media_type=PROBLEM_MEDIA_TYPE, headers=headers or None
     )
+
+
+async def refuse(
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    error: WeightCacheError,
+    on_refuse: Callable[[str], None] | None,
+) -> None:
+    """A middleware's refusal: counted, logged and answered as a problem document; the app's
+    own answer, if any, is dropped and not counted (``scope[REFUSED]``)."""
+    scope[REFUSED] = True
+    if on_refuse is not None:
+        on_refuse(error.code)
+    log_refusal(scope.get("method", "?"), scope.get("path", "?"), error)
+    await problem_response(error)(scope, receive, send)
 
 
 def _allowed_methods(request: Request) -> list[str]:

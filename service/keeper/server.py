@@ -42,7 +42,7 @@ from service.keeper.messages import (
 )
 from service.logsafe import get_logger
 from service.memory.shm import remove_if_held
-from service.registry.handle_access import trusted_uids
+from service.registry.lease_holders import trusted_uids
 from service.run_dir import KEEPER_SOCKET, listen_unix, prepare_run_dir
 
 log = get_logger(__name__)

@@ -13,7 +13,6 @@ pid in the lease, which ``/proc/<pid>/status`` (``NSpid``) relates to the pid th
 from __future__ import annotations
 
 import hmac
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +26,6 @@ class Peer:
     pid: int  # 0: in a PID namespace this daemon cannot see
     uid: int
     gid: int
-
-
-def trusted_uids() -> frozenset[int]:
-    """Users whose processes may hold descriptors: the daemon's own, and root."""
-    return frozenset({os.geteuid(), 0})
 
 
 def pids_of(pid: int) -> set[int]:

@@ -19,7 +19,8 @@ from protocol.errors import HandleRefusedError, WeightCacheError
 from protocol.fd_passing import FramingError, peer_credentials, receive_message, send_message
 from protocol.handle_socket import MAX_REQUEST_BYTES, HandleAnswer, HandleRequest
 from service.logsafe import get_logger
-from service.registry.handle_access import Peer, holder_refusal, trusted_uids
+from service.registry.handle_access import Peer, holder_refusal
+from service.registry.lease_holders import trusted_uids
 from service.registry.leases import Lease
 from service.run_dir import listen_unix
 

@@ -32,6 +32,11 @@ from protocol.errors import ClientNotVisibleError, ClientNotYoursError
 from protocol.processes import process_status
 
 
+def trusted_uids() -> frozenset[int]:
+    """Users trusted with every lease and descriptor: the daemon's own, and root."""
+    return frozenset({os.geteuid(), 0})
+
+
 @dataclass(frozen=True)
 class Caller:
     """Who sent a request, as far as the kernel and the token prove it."""
@@ -49,7 +54,7 @@ class Caller:
     @property
     def trusted(self) -> bool:
         """May act on every lease: a token holder, root, or the daemon's own user."""
-        return self.token or self.uid in (0, os.geteuid())
+        return self.token or self.uid in trusted_uids()
 
     def may_manage(self, holder_uid: int | None) -> bool:
         """Whether this caller may read, renew or release a lease held by ``holder_uid``."""

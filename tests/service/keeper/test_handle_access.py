@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import time
 
-from service.registry.handle_access import Peer, holder_refusal, pids_of, trusted_uids
-from service.registry.lease_holders import Holder
+from service.registry.handle_access import Peer, holder_refusal, pids_of
+from service.registry.lease_holders import Holder, trusted_uids
 from service.registry.leases import LeaseTable
 
 UIDS = frozenset({1000, 0})
