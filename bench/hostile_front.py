@@ -13,7 +13,7 @@ import httpx
 
 from bench.hostile_tools import Result, Target, connect
 from service.api.peer import tcp_socket
-from tests.hostile.sockets import send_until_closed, status_of
+from tests.hostile.sockets import read_all, send_until_closed, status_of
 
 
 def _big_header(target: Target) -> int:
@@ -65,14 +65,10 @@ def slowloris(target: Target, work: Path) -> Result:
 def _closed_with(s: socket.socket) -> int:
     """The status the daemon closed ``s`` with; 0 for a close without an answer, -1 when it
     is still open (nothing within the socket's timeout)."""
-    data = b""
     try:
-        while chunk := s.recv(65536):
-            data += chunk
+        data = read_all(s, until_closed=True)
     except TimeoutError:
         return -1
-    except OSError:
-        pass
     try:
         return int(data.split(b" ", 2)[1]) if data else 0
     except (IndexError, ValueError):

@@ -14,8 +14,7 @@ import httpx
 
 from bench.hostile_tools import Result, Target, as_user
 from tests.daemon_process import lease_body
-
-NOBODY = 65534
+from tests.hostile.users import NOBODY
 
 
 def leases_capped(target: Target, work: Path) -> Result:

@@ -33,12 +33,18 @@ def send_until_closed(s: socket.socket, head: bytes, chunk: bytes, most: int) ->
     return sent
 
 
-def read_all(s: socket.socket) -> bytes:
-    """Everything the daemon writes until it closes (or the socket's timeout)."""
+def read_all(s: socket.socket, until_closed: bool = False) -> bytes:
+    """Everything the daemon writes until it closes (or resets); at the socket's timeout, what
+    came so far, or ``TimeoutError`` when ``until_closed`` (the daemon had to close it)."""
     data = b""
-    with contextlib.suppress(OSError):
+    try:
         while chunk := s.recv(65536):
             data += chunk
+    except TimeoutError:
+        if until_closed:
+            raise
+    except OSError:
+        pass
     return data
 
 
