@@ -24,7 +24,7 @@ from protocol.schemas.leases import LeaseGrant
 from protocol.schemas.manifest import CudaFdHandle, CudaIpcHandle, DeviceKind, Manifest
 from protocol.version import PROTOCOL_VERSION
 
-__all__ = ["CheckpointIdentity", "Expectations", "Reason", "verify_checksums", "verify_grant"]
+__all__ = ["EngineCheckpoint", "Expectations", "Reason", "verify_checksums", "verify_grant"]
 
 
 @dataclass(frozen=True)
@@ -53,18 +53,18 @@ class Expectations:
         **kw: Any,
     ) -> Expectations:
         """What an engine loading ``path`` expects, its identity read now."""
-        return cls.for_identity(CheckpointIdentity.read(path, tier), device, **kw)
+        return cls.for_identity(EngineCheckpoint.read(path, tier), device, **kw)
 
     @classmethod
     def for_identity(
-        cls, identity: CheckpointIdentity, device: torch.device, **kw: Any
+        cls, identity: EngineCheckpoint, device: torch.device, **kw: Any
     ) -> Expectations:
         """What an engine expects of a lease for the checkpoint ``identity`` describes."""
         return cls(device, fingerprint=identity.fingerprint, quant=identity.quant, **kw)
 
 
 @dataclass(frozen=True)
-class CheckpointIdentity:
+class EngineCheckpoint:
     """The engine's own copy of a checkpoint as a lease is checked against it: its identity at
     the tier the engine chose, and its quantization config."""
 
@@ -72,7 +72,7 @@ class CheckpointIdentity:
     quant: QuantConfig
 
     @classmethod
-    def read(cls, path: Path, tier: IdentityTier = DEFAULT_TIER) -> CheckpointIdentity:
+    def read(cls, path: Path, tier: IdentityTier = DEFAULT_TIER) -> EngineCheckpoint:
         """Read from the copy's files (``full`` reads every byte; the others cost milliseconds
         at most)."""
         with Checkpoint.open(path) as ckpt:

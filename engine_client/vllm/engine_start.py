@@ -11,7 +11,6 @@ call reuses what the first read. A new engine start (a new config) reads it agai
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +18,9 @@ import torch
 from vllm.distributed import get_tensor_model_parallel_world_size
 
 from engine_client.client import ClientConfig, DaemonClient
-from engine_client.verify import CheckpointIdentity
-from modelopt_fp8.checkpoint import Fingerprint, IdentityTier
+from engine_client.loader_options import LoaderOptions
+from engine_client.verify import EngineCheckpoint
+from modelopt_fp8.checkpoint import IdentityTier
 from modelopt_fp8.checkpoint.locate import local_checkpoint as locate_local_checkpoint
 from protocol.errors import ModelNotFoundError, VerificationError
 from protocol.reasons import Reason
@@ -70,13 +70,13 @@ class _ThisObject:
 @functools.lru_cache(maxsize=1)
 def _read_identity(
     engine_start: _ThisObject, checkpoint: Path, tier: IdentityTier
-) -> CheckpointIdentity:
-    return CheckpointIdentity.read(checkpoint, tier)
+) -> EngineCheckpoint:
+    return EngineCheckpoint.read(checkpoint, tier)
 
 
 def checkpoint_identity(
     vllm_config: Any, model_config: Any, tier: IdentityTier
-) -> CheckpointIdentity:
+) -> EngineCheckpoint:
     """The identity of the checkpoint this engine start loads, read from its files once per
     engine start (``vllm_config``); a failed read is not kept, so the load reads again and
     reports it."""
@@ -84,20 +84,19 @@ def checkpoint_identity(
 
 
 def daemon_model(
-    config: ClientConfig,
-    named: str | None,
-    model_config: Any,
-    fingerprint: Callable[[], Fingerprint],
+    config: ClientConfig, options: LoaderOptions, vllm_config: Any, model_config: Any
 ) -> ModelInfo:
-    """The daemon's model for this engine: the one ``named`` (the ``model`` option), else the
-    ready (or loading) one whose digests match ``fingerprint()`` at this TP size."""
+    """The daemon's model for this engine, asked now: the one the ``model`` option names, else
+    the ready (or loading) one whose digests match this engine start's checkpoint
+    (:func:`checkpoint_identity`, read once) at this TP size."""
     tp_size = get_tensor_model_parallel_world_size()
     with DaemonClient(config) as client:
         models = client.models()
-    if named:
-        chosen = [m for m in models if m.id == named]
+    if options.model:
+        chosen = [m for m in models if m.id == options.model]
     else:
-        mine = fingerprint()
+        tier = IdentityTier(options.identity)
+        mine = checkpoint_identity(vllm_config, model_config, tier).fingerprint
         chosen = [
             m
             for m in models

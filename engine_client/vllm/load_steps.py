@@ -106,13 +106,9 @@ def wait_until_released(load: Load) -> None:
     if not load.options.park:
         return
     rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    tier = IdentityTier(load.options.identity)
 
     def spot() -> ParkingSpot:
-        identity = checkpoint_identity(load.vllm_config, load.model_config, tier)
-        chosen = daemon_model(
-            load.client_config, load.options.model, load.model_config, lambda: identity.fingerprint
-        )
+        chosen = daemon_model(load.client_config, load.options, load.vllm_config, load.model_config)
         return ParkingSpot(chosen.id, rank, size, engine_group(), load.options.parks_if_serving)
 
     released_for_this_load(load.client_config, spot, load.options.park_timeout)
@@ -132,9 +128,7 @@ def find_model(load: Load) -> None:
         tp_size=get_tensor_model_parallel_world_size(),
         verify_checksums=load.options.verify_checksums,
     )
-    chosen = daemon_model(
-        load.client_config, load.options.model, load.model_config, lambda: identity.fingerprint
-    )
+    chosen = daemon_model(load.client_config, load.options, load.vllm_config, load.model_config)
     load.model_id = chosen.id
 
 

@@ -35,10 +35,10 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from engine_client.attach import Attachment
+from engine_client.client import ClientConfig
 from engine_client.fallback import fall_back_or_raise
 from engine_client.loader_options import LoaderOptions
 from engine_client.vllm.engine_start import (
-    checkpoint_identity,
     daemon_model,
     rank_bytes,
     target_device,
@@ -47,10 +47,8 @@ from engine_client.vllm.internals import forget_build_on_error, freeze_startup_h
 from engine_client.vllm.load_steps import LOAD_STEPS, Load
 from engine_client.vllm.startup import before_memory_snapshot
 from engine_client.vllm.steps import run_steps
-from modelopt_fp8.checkpoint import IdentityTier
 from protocol.errors import VerificationError, WeightCacheError
 from protocol.reasons import Reason
-from protocol.schemas.models import ModelInfo
 
 __all__ = ["LOAD_FORMAT", "WeightCacheModelLoader", "before_load_window"]
 
@@ -59,17 +57,13 @@ log = logging.getLogger(__name__)
 LOAD_FORMAT = "weight_cache"
 
 
-def before_load_window(options: LoaderOptions, model_id: Callable[[], str]) -> bool:
+def before_load_window(
+    options: LoaderOptions, config: ClientConfig, model_id: Callable[[], str]
+) -> bool:
     """The loader's hooks just before vLLM's load window opens (and its memory snapshot is
-    taken): freeze the startup heap, so the window's full collections skip it
-    (:func:`.internals.freeze_startup_heap`); with ``park``, wait until the daemon releases this
-    engine; then take this GPU's start-up slot (:func:`.startup.before_memory_snapshot`). False
-    when a park ended without a release: the load then falls back to its own weights."""
-    freeze_startup_heap()
-    try:
-        config = options.client_config()
-    except WeightCacheError:
-        return True  # an unreadable token file: the load reports it and falls back
+    taken): with ``park``, wait until the daemon releases this engine; then take this GPU's
+    start-up slot (:func:`.startup.before_memory_snapshot`). False when a park ended without a
+    release: the load then falls back to its own weights."""
     ended = before_memory_snapshot(
         options,
         config,
@@ -115,33 +109,32 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
     def get_external_weight_memory(self, vllm_config: Any) -> int:
         """vLLM's worker calls this once per engine start, just before its memory snapshot and
         its load window, and as its last call to the loader before them: the loader's
-        :func:`before_load_window` hooks run here, then the question is answered by
-        :meth:`daemon_rank_bytes` (0 for an engine whose park ended without a release)."""
-        if not before_load_window(self.options, lambda: self._daemon_model_id(vllm_config)):
-            return 0
-        return self.daemon_rank_bytes(vllm_config)
-
-    def _daemon_model(self, vllm_config: Any) -> ModelInfo:
-        """The daemon's model for this engine, asked now: before a park for its id, and again
-        after it (a park may last long enough for the daemon to restart or reload it)."""
+        :func:`before_load_window` hooks run here, after the startup heap is frozen (so the
+        window's full collections skip it: :func:`.internals.freeze_startup_heap`), then the
+        question is answered by :meth:`daemon_rank_bytes` (0 for an engine whose park ended
+        without a release). The daemon's model is asked before a park for its id and again
+        after it: a park may last long enough for the daemon to restart or reload it."""
+        freeze_startup_heap()
+        try:
+            config = self.options.client_config()
+        except WeightCacheError:
+            return 0  # an unreadable token file: the load reports it and falls back
         model_config = vllm_config.model_config
-        tier = IdentityTier(self.options.identity)
-        return daemon_model(
-            self.options.client_config(),
-            self.options.model,
-            model_config,
-            lambda: checkpoint_identity(vllm_config, model_config, tier).fingerprint,
-        )
+        if not before_load_window(
+            self.options,
+            config,
+            lambda: daemon_model(config, self.options, vllm_config, model_config).id,
+        ):
+            return 0
+        return self.daemon_rank_bytes(vllm_config, config)
 
-    def _daemon_model_id(self, vllm_config: Any) -> str:
-        return self._daemon_model(vllm_config).id
-
-    def daemon_rank_bytes(self, vllm_config: Any) -> int:
+    def daemon_rank_bytes(self, vllm_config: Any, config: ClientConfig | None = None) -> int:
         """Weight bytes the daemon holds for this rank (outside the engine's allocator), or 0
         where it holds none for this engine. Asks the daemon and changes nothing; the
         checkpoint's identity it reads is kept for the load of this engine start."""
         try:
-            chosen = self._daemon_model(vllm_config)
+            config = config or self.options.client_config()
+            chosen = daemon_model(config, self.options, vllm_config, vllm_config.model_config)
         except WeightCacheError:
             return 0
         return rank_bytes(chosen)

@@ -65,18 +65,18 @@ def test_the_identity_is_read_once_per_engine_start(
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
 
-    from engine_client.verify import CheckpointIdentity
+    from engine_client.verify import EngineCheckpoint
     from engine_client.vllm_plugin import register
 
     register()
     reads: list[Path] = []
-    real = CheckpointIdentity.read.__func__  # type: ignore[attr-defined]
+    real = EngineCheckpoint.read.__func__  # type: ignore[attr-defined]
 
-    def counted(cls: type[CheckpointIdentity], path: Path, *args: object) -> CheckpointIdentity:
+    def counted(cls: type[EngineCheckpoint], path: Path, *args: object) -> EngineCheckpoint:
         reads.append(path)
         return real(cls, path, *args)  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(CheckpointIdentity, "read", classmethod(counted))
+    monkeypatch.setattr(EngineCheckpoint, "read", classmethod(counted))
     delegated = observe_default_loader(monkeypatch)
     for engine_start in (1, 2):
         vllm_config, model_config = configs(tiny_fp8, "weight_cache", {"url": daemon_process.url})
