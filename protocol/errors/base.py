@@ -71,13 +71,14 @@ _REGISTRY[WeightCacheError.code] = WeightCacheError
 
 class CarriesReason(WeightCacheError):
     """An error that names its own fallback reason (``reason`` in its extra fields, else its
-    class's default): the engine reports that reason as it is, whatever the error's code."""
+    code where that is a reason, as ``bad_response``, else its class's default): the engine
+    reports that reason as it is."""
 
     default_reason: ClassVar[Reason] = Reason.internal_error
 
     @property
     def reason(self) -> Reason:
-        return Reason.parse(self.extra.get("reason"), self.default_reason)
+        return Reason.parse(self.extra.get("reason", self.code), self.default_reason)
 
 
 def error_classes() -> dict[str, type[WeightCacheError]]:

@@ -39,11 +39,6 @@ class AttachError(CarriesReason):
     title = "Attaching to the leased weights failed"
     hint = "the engine falls back to an ordinary load; `reason` says at which step"
 
-    @property
-    def reason(self) -> Reason:
-        """Its ``reason``, else its code where that is a reason (``bad_response``)."""
-        return Reason.parse(self.extra.get("reason", self.code), self.default_reason)
-
 
 class BadResponseError(AttachError):
     code = "bad_response"
