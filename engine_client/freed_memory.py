@@ -2,10 +2,9 @@
 vLLM takes its memory snapshot.
 
 The daemon releases a parked engine as soon as the process of the engine it replaces is gone,
-but the driver frees that process's memory some time after: on the H200, an engine released
-0.2 s after ``kill -9`` of a 33 GiB ``vllm serve`` engine took its snapshot with 96.5 GiB
-free, and 3 s later vLLM's profiling found 129.9 GiB free and failed its check that free
-memory has not grown while it profiles ("Error in memory profiling"). So, before the snapshot:
+but the driver frees that process's memory seconds after: a snapshot taken meanwhile sees
+memory that is freed while vLLM profiles, and vLLM's check that free memory has not grown
+while it profiles fails ("Error in memory profiling"). So, before the snapshot:
 
 1. while NVML lists a process on this GPU that has ended (its memory not yet freed), wait; this
    is read only where NVML's PIDs are this process's PID namespace (it lists this process);

@@ -1,10 +1,12 @@
 """A released engine waits, before vLLM's memory snapshot, for the memory of the engine it
 replaces: while NVML lists an ended process on its GPU, then until free memory stops growing.
 The processes here are real (a zombie is an ended process the driver may still be freeing);
-the GPU's readings are given as NVML and the driver would give them."""
+the GPU's readings are given as NVML and the driver would give them, and the wait's clock is
+one that advances by exactly what it sleeps (a busy runner's late wake-ups change nothing)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import subprocess
@@ -18,6 +20,26 @@ from protocol.processes import process_ended
 
 GIB = 1 << 30
 POLL_S = 0.01
+
+
+class SteppedClock:
+    """``time`` for the wait: ``sleep`` advances ``monotonic`` by exactly what was asked."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture(autouse=True)
+def clock(monkeypatch: pytest.MonkeyPatch) -> SteppedClock:
+    stepped = SteppedClock()
+    monkeypatch.setattr("engine_client.freed_memory.time", stepped)
+    return stepped
 
 
 @pytest.fixture
@@ -67,7 +89,7 @@ def test_waits_until_free_memory_stops_growing() -> None:
 
 
 def test_small_changes_count_as_settled() -> None:
-    readings = iter(range(0, 10 * GROWTH_BYTES, GROWTH_BYTES // 4))
+    readings = itertools.count(0, GROWTH_BYTES // 4)  # growing in steps below the threshold
     waited = wait_for_freed_memory(
         lambda: next(readings, 0), lambda: None, timeout_s=5, quiet_s=0.05, poll_s=POLL_S
     )
