@@ -1,18 +1,19 @@
 """Carrying out a plan: read each shard, fuse, requantize, pad, and write the result into the
 storage the caller hands out (an arena slot in the daemon, a fresh tensor in an ordinary load).
 
-Each step mirrors vLLM 0.33 (file:line in the vLLM 0.33.0 wheel):
+Each step mirrors vLLM 0.33 (functions of the vLLM 0.33.0 wheel):
 
 * fuse shards along the output dim: what the fused ``weight_loader_v2`` does into one buffer;
 * FP8 weight scale: ``max_w_scale = weight_scale.max()``, and when the shard scales differ,
-  ``requantize_with_max_scale`` (``quantization/modelopt.py:2187-2191``,
-  ``quantization/utils/w8a8_utils.py:75-105``);
-* the ``[K, N]`` view ``weight.t()`` and ``processed_weight_dims = (0, 1)``
-  (``modelopt.py:2194-2197``; per channel via ``fp8_utils.process_fp8_weight_channel_strategy``,
-  ``modelopt.py:2244-2250``);
-* FP8 input scale collapsed to its max (``modelopt.py:2206``);
+  ``requantize_with_max_scale`` (``KFp8StaticTensor.process`` in ``quantization/modelopt.py``,
+  and ``quantization/utils/w8a8_utils.requantize_with_max_scale``);
+* the ``[K, N]`` view ``weight.t()`` and ``processed_weight_dims = (0, 1)`` (the same
+  ``process``; per channel ``KFp8StaticChannel.process`` via
+  ``fp8_utils.process_fp8_weight_channel_strategy``);
+* FP8 input scale collapsed to its max (``KFp8StaticTensor.process``, its activation role);
 * CUTLASS padding of K and N to 16 with zeros, per-channel scales with 1.0, and the logical width
-  (``kernels/linear/scaled_mm/cutlass.py:205-233``).
+  (``CutlassFP8ScaledMMLinearKernel.process_weights_after_loading`` in
+  ``kernels/linear/scaled_mm/cutlass.py``).
 
 How it runs: the ``[N_pad, K_pad]`` storage of a fused weight is its shards' rows one after
 another, so each layer becomes a list of row segments of checkpoint tensors (with the code map

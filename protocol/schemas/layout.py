@@ -51,9 +51,9 @@ class CarriedLayout(BaseModel):
 
     ``vocab_parallel`` tensors follow ``VocabParallelEmbedding``: the vocabulary padded to a
     multiple of ``padding_size``, split evenly over the TP ranks, rows past the real vocabulary
-    zero (``vocab_parallel_embedding.py:481-520``). An engine binds ``vocab_parallel`` and
-    ``replicated`` tensors as its parameters, zero-copy; ``checkpoint`` ones go through its
-    weight loaders (a few scalars).
+    zero (``VocabParallelEmbedding.__init__`` and its weight loader). An engine binds
+    ``vocab_parallel`` and ``replicated`` tensors as its parameters, zero-copy; ``checkpoint``
+    ones go through its weight loaders (a few scalars).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -137,8 +137,9 @@ def test_a_token_file_every_user_may_read_is_refused(tmp_path: Path) -> None:
 def test_a_token_no_header_can_carry_is_refused_on_both_sides(
     tmp_path: Path, token: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A non-ASCII token used to crash the client with UnicodeEncodeError on its first
-    request; both sides now refuse it up front, typed, saying why."""
+    """A token no HTTP header can carry (non-ASCII, spaces, control bytes) is refused up front
+    on both sides, typed, saying why, instead of failing as the client encodes its first
+    request."""
     with pytest.raises(ValidationError, match="visible ASCII"):
         DaemonSettings(token=SecretStr(token))
     monkeypatch.setenv("WEIGHT_CACHE_TOKEN", token)
