@@ -213,16 +213,6 @@ def kv_scale_names(dims: ModelDims) -> dict[str, tuple[str, ...]]:
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d{1,9})\.")
-# The projections every decoder layer of these architectures has (checkpoint names).
-LAYER_PROJECTIONS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
 
 
 def check_dims(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
@@ -252,9 +242,9 @@ def check_dims(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: s
             file=source,
             field="num_hidden_layers",
         )
-    for i in range(found):
-        for projection in LAYER_PROJECTIONS:
-            name = f"model.layers.{i}.{projection}.weight"
+    for spec in linear_specs(dims):  # dims.num_hidden_layers == found here
+        for shard in spec.shards:
+            name = f"{shard.checkpoint_prefix}.weight"
             if name not in shapes:
                 raise MissingTensorError(
                     "a linear layer's weight is not in the checkpoint", tensor=name

@@ -57,15 +57,14 @@ def local_checkpoint(
 
 
 def locate_checkpoint(spec: str | Path, environ: Mapping[str, str] | None = None) -> Path:
-    """The absolute checkpoint directory ``spec`` names (a directory, or a cached repo id)."""
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        return path.resolve()
+    """The absolute checkpoint directory ``spec`` names (a directory, or a cached repo id), as
+    :func:`local_checkpoint` finds it; where it finds none, why, typed."""
     text = str(spec)
+    found = local_checkpoint(text, environ=environ)
+    if found is not None:
+        return found.resolve()
+    path = Path(spec).expanduser()
     if REPO_ID.match(text) and not path.exists():
-        snapshot = cached_snapshot(text, environ)
-        if snapshot is not None:
-            return snapshot.resolve()
         raise CheckpointNotFoundError(
             f"{text} is neither a directory nor a Hugging Face repo in the local cache "
             f"{hub_cache(environ)}: download it first (`huggingface-cli download {text}`; "

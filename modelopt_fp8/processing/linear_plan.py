@@ -8,6 +8,7 @@ merged per scheme); unquantized ones are held as vLLM holds them, fused and cont
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -94,24 +95,28 @@ def _lay_out(
     if spec.has_bias:
         bias_dtype = tensors[shards[0].bias or ""].dtype
         bias_spec = TensorSpec.contiguous(names["bias"], bias_dtype, (n,))
+    # What the layout says alike of an unquantized and a quantized layer.
+    common: dict[str, Any] = {
+        "name": spec.prefix,
+        "scheme": scheme,
+        "format": WeightFormat.default,
+        "input_size": k,
+        "output_size": n,
+        "logical_widths": widths,
+        "shard_names": [s.checkpoint_prefix for s in spec.shards],
+        "weight": names["weight"],
+        "bias": bias_spec.name if bias_spec else None,
+    }
     if scheme is Scheme.unquantized:
         weight = TensorSpec.contiguous(names["weight"], weight_dtype, (n, k))
         layout = LayerLayout(
-            name=spec.prefix,
-            scheme=scheme,
+            **common,
             quant_algo=None,
             kernel=Kernel.none,
-            format=WeightFormat.default,
             processed_weight_dims=None,
-            input_size=k,
             padded_input_size=k,
-            output_size=n,
             padded_output_size=n,
-            logical_widths=widths,
-            shard_names=[s.weight.rsplit(".", 1)[0] for s in shards],
             activation_quant=ActivationQuant.none,
-            weight=weight.name,
-            bias=bias_spec.name if bias_spec else None,
         )
         return LinearPlan(layout, tuple(shards), weight, None, None, bias_spec)
 
@@ -131,24 +136,16 @@ def _lay_out(
         input_scale = None
         act = ActivationQuant.dynamic_per_token
     layout = LayerLayout(
-        name=spec.prefix,
-        scheme=scheme,
+        **common,
         quant_algo=reads.ckpt.quant.quant_algo,
         kernel=Kernel.cutlass,
-        format=WeightFormat.default,
         processed_weight_dims=(0, 1),
-        input_size=k,
         padded_input_size=k_pad,
-        output_size=n,
         padded_output_size=n_pad,
-        logical_widths=widths,
-        shard_names=[s.weight.rsplit(".", 1)[0] for s in shards],
         activation_quant=act,
         weight_scale_shape=list(weight_scale.shape),
         input_scale_shape=list(input_scale.shape) if input_scale else None,
-        weight=weight.name,
         weight_scale=weight_scale.name,
         input_scale=input_scale.name if input_scale else None,
-        bias=bias_spec.name if bias_spec else None,
     )
     return LinearPlan(layout, tuple(shards), weight, weight_scale, input_scale, bias_spec)
