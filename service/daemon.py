@@ -232,20 +232,19 @@ class Daemon:
         """How long a grant took the API, its rendering included (a histogram)."""
         self.metrics.lease_seconds.observe(seconds)
 
-    def _held(self, lease_id: str, caller: Caller | None) -> Lease:
+    def _held(self, lease_id: str, caller: Caller) -> Lease:
         """The active lease ``lease_id``, if ``caller`` may touch it. Caller holds the lock."""
         lease = self.leases.get(lease_id, self.leases.now())
-        if not (caller or Caller.local()).may_manage(lease.holder_uid):
+        if not caller.may_manage(lease.holder_uid):
             raise LeaseNotYoursError(f"lease {lease_id} is held by another user", lease=lease_id)
         return lease
 
-    def lease(self, lease_id: str, caller: Caller | None = None) -> LeaseInfo:
+    def lease(self, lease_id: str, caller: Caller) -> LeaseInfo:
         with self.lock:
             return self._held(lease_id, caller).info(self.boot_id)
 
-    def list_leases(self, caller: Caller | None = None) -> list[LeaseInfo]:
+    def list_leases(self, caller: Caller) -> list[LeaseInfo]:
         """The active leases ``caller`` may touch (every one for a trusted caller)."""
-        caller = caller or Caller.local()
         with self.lock:
             self.leases.expire(self.leases.now())
             return [
@@ -254,14 +253,14 @@ class Daemon:
                 if caller.may_manage(lease.holder_uid)
             ]
 
-    def renew(self, lease_id: str, ttl_s: float | None, caller: Caller | None = None) -> LeaseInfo:
+    def renew(self, lease_id: str, ttl_s: float | None, caller: Caller) -> LeaseInfo:
         if ttl_s is not None:
             self.limits.checked_ttl(ttl_s)
         with self.lock:
             self._held(lease_id, caller)
             return self.leases.renew(lease_id, ttl_s, self.leases.now()).info(self.boot_id)
 
-    def release(self, lease_id: str, caller: Caller | None = None) -> None:
+    def release(self, lease_id: str, caller: Caller) -> None:
         with self.lock:
             self._held(lease_id, caller)
             self.leases.end(lease_id, LeaseEnd.released)

@@ -29,10 +29,10 @@ WaitsDep = Annotated[Waits, Depends(get_waits)]
 
 
 async def get_caller(request: Request) -> Caller:
-    """Who is calling, as the auth middleware proved it (``Caller.local()`` when a test or
-    embedding app runs the routes without it)."""
-    caller = request.scope.get(CALLER_KEY)
-    return caller if isinstance(caller, Caller) else Caller.local()
+    """Who is calling, as the auth middleware proved it (it runs in front of every route that
+    asks)."""
+    caller: Caller = request.scope[CALLER_KEY]
+    return caller
 
 
 CallerDep = Annotated[Caller, Depends(get_caller)]
