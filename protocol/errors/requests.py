@@ -3,6 +3,8 @@ route or path that is not there."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from protocol.errors.base import WeightCacheError
 
 
@@ -11,6 +13,11 @@ class InvalidRequestError(WeightCacheError):
     status = 422
     title = "Invalid request"
     hint = "fix the request; `errors` lists the fields"
+
+    @classmethod
+    def of_field(cls, field: str, detail: str, kind: str, **extra: Any) -> InvalidRequestError:
+        """The refusal of one body field, with its ``errors`` entry as the schema's are."""
+        return cls(detail, errors=[{"loc": ["body", field], "msg": detail, "type": kind}], **extra)
 
 
 class PayloadTooLargeError(InvalidRequestError):

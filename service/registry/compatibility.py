@@ -36,6 +36,4 @@ def check_request_fits(record: ModelRecord, req: LeaseRequest) -> None:
         )
     if req.tp_rank >= record.tp_size:
         detail = f"tp_rank {req.tp_rank} is outside the model's tp_size {record.tp_size}"
-        raise InvalidRequestError(
-            detail, errors=[{"loc": ["body", "tp_rank"], "msg": detail, "type": "out_of_range"}]
-        )
+        raise InvalidRequestError.of_field("tp_rank", detail, "out_of_range")

@@ -31,10 +31,8 @@ class LeaseLimits:
                 f"ttl_s {ttl_s} exceeds this daemon's maximum of {self.settings.max_ttl_s} s "
                 "(--max-ttl); ask for less, and renew"
             )
-            raise InvalidRequestError(
-                detail,
-                errors=[{"loc": ["body", "ttl_s"], "msg": detail, "type": "less_than_equal"}],
-                limit=self.settings.max_ttl_s,
+            raise InvalidRequestError.of_field(
+                "ttl_s", detail, "less_than_equal", limit=self.settings.max_ttl_s
             )
         return ttl_s
 

@@ -24,6 +24,7 @@ from protocol.schemas.leases import LeaseInfo
 from service.logsafe import get_logger
 from service.memory.devices import process_alive
 from service.registry.lease_holders import Holder
+from service.registry.run_ids import from_this_run, new_id
 
 log = get_logger("service.daemon")  # the name operators filter the daemon's lines by
 
@@ -126,7 +127,7 @@ class LeaseTable:
             if known is not None and holder.pid_start is not None and known != holder.pid_start:
                 self.reap(holder.pid, known)  # the PID was reused: its earlier process is gone
         lease = Lease(
-            id=f"{self.boot_id}.{secrets.token_hex(12)}",
+            id=new_id(self.boot_id),
             model=model,
             tp_rank=tp_rank,
             tp_size=tp_size,
@@ -171,7 +172,7 @@ class LeaseTable:
         ending = self.ended.get(lease_id)
         if ending in (LeaseEnd.expired, LeaseEnd.reaped):
             raise LeaseExpiredError(f"lease {lease_id} ended: {ending.value}", reason=ending)
-        if not lease_id.startswith(f"{self.boot_id}."):
+        if not from_this_run(lease_id, self.boot_id):
             raise DaemonRestartedError(
                 "the lease was granted by an earlier run of the daemon; lease again",
                 boot_id=self.boot_id,

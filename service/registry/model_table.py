@@ -186,10 +186,8 @@ class ModelTable:
         try:
             placements = resolve_placements(self.settings.device, tp_size)
         except ValueError as exc:
-            raise InvalidRequestError(
-                str(exc),
-                errors=[{"loc": ["body", "tp_size"], "msg": str(exc), "type": "value_error"}],
-                tp_size=tp_size,
+            raise InvalidRequestError.of_field(
+                "tp_size", str(exc), "value_error", tp_size=tp_size
             ) from exc
         with self.lock:
             if limited:

@@ -35,6 +35,7 @@ from protocol.schemas.parking import (
     ReleaseCause,
 )
 from service.registry.lease_holders import Caller, Holder
+from service.registry.run_ids import new_id
 from service.registry.waiting_rules import (
     Joining,
     Registration,
@@ -125,7 +126,7 @@ class ParkingLot:
                 Joining(holder.uid, req.tp_rank, req.tp_size, req.model),
             )
             entry = Parked(
-                id=Registration.new_id(self.boot_id),
+                id=new_id(self.boot_id),
                 model=req.model,
                 tp_rank=req.tp_rank,
                 tp_size=req.tp_size,

@@ -29,6 +29,7 @@ from protocol.errors import (
 from protocol.schemas.startup_slots import SlotRequest, SlotState, SlotTicket
 from service.logsafe import get_logger
 from service.registry.lease_holders import Caller, Holder
+from service.registry.run_ids import new_id
 from service.registry.waiting_rules import (
     Joining,
     Registration,
@@ -92,7 +93,7 @@ class StartupSlots:
                 Joining(holder.uid, req.tp_rank, req.tp_size, None),
             )
             ticket = Ticket(
-                id=Registration.new_id(self.boot_id),
+                id=new_id(self.boot_id),
                 device=req.device,
                 tp_rank=req.tp_rank,
                 tp_size=req.tp_size,

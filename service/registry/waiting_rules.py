@@ -5,7 +5,6 @@ and who may join an engine's group (its own user, each rank once, at one TP size
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -20,6 +19,7 @@ from protocol.errors import (
     WeightCacheError,
 )
 from service.registry.lease_holders import Caller, Holder
+from service.registry.run_ids import from_this_run
 
 
 @dataclass(kw_only=True)
@@ -44,10 +44,6 @@ class Registration:
     def kind(self) -> object:
         """What else the ranks of one group must share (nothing, unless a subclass says)."""
         return None
-
-    @staticmethod
-    def new_id(boot_id: str) -> str:
-        return f"{boot_id}.{secrets.token_hex(12)}"
 
     def shown(self, boot_id: str) -> dict[str, Any]:
         """The fields both answers (``ParkedEngine``, ``SlotTicket``) show alike."""
@@ -79,7 +75,7 @@ def find(
     refused, typed."""
     entry = kept.get(registration_id)
     if entry is None:
-        if not registration_id.startswith(f"{boot_id}."):
+        if not from_this_run(registration_id, boot_id):
             raise DaemonRestartedError(
                 f"the {what} is from an earlier run of the daemon; register again",
                 boot_id=boot_id,
