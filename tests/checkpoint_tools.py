@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -42,3 +43,21 @@ def all_tensors(directory: Path) -> dict[str, torch.Tensor]:
     for f in sorted(directory.glob("*.safetensors")):
         out.update(load_file(str(f)))
     return out
+
+
+def hub_snapshot(
+    hub: Path, repo_id: str, source: Path | None = None, revision: str = "0123abcd"
+) -> Path:
+    """What huggingface_hub leaves in the cache ``hub`` (``HF_HUB_CACHE``, or ``HF_HOME``'s
+    ``hub``) after a download of ``repo_id``: a snapshot of ``source`` (else a bare
+    config.json) and the ref ``main`` naming it."""
+    repo = hub / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / revision
+    if source is None:
+        snapshot.mkdir(parents=True)
+        (snapshot / "config.json").write_text("{}")
+    else:
+        shutil.copytree(source, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot

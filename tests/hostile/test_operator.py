@@ -24,6 +24,7 @@ from fastapi.testclient import TestClient
 
 from modelopt_fp8.checkpoint.locate import local_checkpoint
 from service.api.app import create_app
+from tests.checkpoint_tools import hub_snapshot
 from tests.daemon_process import lease_body, make_settings, start_daemon
 from tests.hostile.conftest import Hostile
 from tests.hostile.users import NOBODY, needs_root
@@ -65,15 +66,6 @@ def test_another_user_reads_a_demo_checkpoint() -> None:
     assert read.stdout.strip() == "8", read.stderr
 
 
-def _hub_snapshot(hub: Path, repo_id: str, tiny: Path, revision: str = "0123abcd") -> Path:
-    repo = hub / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / revision
-    shutil.copytree(tiny, snapshot)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(revision)
-    return snapshot
-
-
 def test_a_repo_id_is_named_after_the_repo_and_found_by_the_engine(
     tmp_path: Path, tiny_fp8: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -81,7 +73,7 @@ def test_a_repo_id_is_named_after_the_repo_and_found_by_the_engine(
     fell back (not_local_checkpoint). The id is now ``Org--Name`` (the cache's spelling of
     Org/Name), and the engine resolves the id to the same snapshot, at vLLM's revision."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    snapshot = _hub_snapshot(tmp_path / "hub", "nvidia/Tiny-FP8", tiny_fp8)
+    snapshot = hub_snapshot(tmp_path / "hub", "nvidia/Tiny-FP8", tiny_fp8)
     settings = build_settings(models=("nvidia/Tiny-FP8",))
     assert settings.startup_models() == [(snapshot.resolve(), "nvidia--Tiny-FP8")]
     assert local_checkpoint("nvidia/Tiny-FP8") == snapshot

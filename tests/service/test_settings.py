@@ -15,6 +15,7 @@ from protocol.errors import CheckpointNotFoundError
 from service.env import check_environment, env_names, known_variables
 from service.setting import setting_of
 from service.settings import DaemonSettings
+from tests.checkpoint_tools import hub_snapshot
 from weight_cache_cli import cli
 from weight_cache_cli.serve import SettingsError, build_settings
 from weight_cache_cli.settings_table import with_table
@@ -106,17 +107,6 @@ def test_every_variable_is_in_the_help_and_the_readme() -> None:
     assert readme_table <= set(known_variables()), readme_table - set(known_variables())
 
 
-def hub_snapshot(hf_home: Path, repo_id: str, revision: str = "abc123") -> Path:
-    """What huggingface_hub leaves in its cache after a download."""
-    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / revision
-    snapshot.mkdir(parents=True)
-    (snapshot / "config.json").write_text("{}")
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(revision)
-    return snapshot
-
-
 def test_a_repo_id_resolves_through_the_local_hub_cache(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.chdir(tmp_path)
@@ -124,7 +114,7 @@ def test_a_repo_id_resolves_through_the_local_hub_cache(monkeypatch, tmp_path: P
         locate_checkpoint("nvidia/Llama-3.1-8B-Instruct-FP8")
     assert "huggingface-cli download nvidia/Llama-3.1-8B-Instruct-FP8" in err.value.detail
     assert str(tmp_path / "hf" / "hub") in err.value.detail
-    snapshot = hub_snapshot(tmp_path / "hf", "nvidia/Llama-3.1-8B-Instruct-FP8")
+    snapshot = hub_snapshot(tmp_path / "hf" / "hub", "nvidia/Llama-3.1-8B-Instruct-FP8")
     assert locate_checkpoint("nvidia/Llama-3.1-8B-Instruct-FP8") == snapshot.resolve()
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))  # wins over HF_HOME
     with pytest.raises(CheckpointNotFoundError):

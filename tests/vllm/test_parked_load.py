@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from torch.multiprocessing.spawn import start_processes
 
 from tests.conftest import FIXTURES
@@ -24,18 +23,6 @@ from tests.vllm.test_plugin import load_allowing_missing_cpu_ops, observe_defaul
 from tests.vllm.variants import make_variant
 from tests.vllm.vllm_model import configs, cutlass_kernel_on_cpu, vllm_world
 from tests.waiting import wait_for
-
-
-def _as_on_any_cpu() -> None:
-    """vLLM's CPU platform packs small bf16 weights for AMX with a custom op its CUDA wheel does
-    not build; pick the path a CPU without AMX takes (the same state either way: the loader's
-    concern is what it binds, not vLLM's CPU GEMM)."""
-    torch.cpu._is_amx_tile_supported = lambda: False
-
-
-@pytest.fixture(autouse=True)
-def any_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +141,6 @@ def test_a_cancelled_park_fails_without_fallback(served) -> None:
 
 def _rank(rank: int, url: str, checkpoint: str, port: int, out: str) -> None:
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
-    _as_on_any_cpu()
     extra = {"url": url, "model": "llama-tp2", "fallback": False, "park": True}
     with cutlass_kernel_on_cpu():
         loader, _ = _load(url, Path(checkpoint), extra, tp=2, rank=rank, port=port)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.checkpoint_tools import hub_snapshot
 from tests.daemon_process import free_port
 from tests.vllm.vllm_model import configs, vllm_world
 
@@ -205,17 +206,13 @@ def test_a_repo_id_is_found_in_the_local_hub_cache(
     """vLLM given a Hugging Face repo id reads it from the local cache; the loader finds the
     same snapshot to compare a lease with (it fell back at once with not_local_checkpoint),
     and falls back with that reason only when the repo is not in the cache."""
-    import shutil
-
     from engine_client.vllm.engine_start import local_checkpoint
     from protocol.errors import VerificationError
     from protocol.reasons import Reason
 
     snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "0123abcd"
     if cached:
-        shutil.copytree(tiny_fp8, snapshot)
-        (snapshot.parent.parent / "refs").mkdir()
-        (snapshot.parent.parent / "refs" / "main").write_text("0123abcd")
+        assert hub_snapshot(tmp_path / "hub", "org/tiny", tiny_fp8) == snapshot
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     _, model_config = configs(tiny_fp8)
     model_config.model = "org/tiny"  # as `vllm serve org/tiny` names it

@@ -123,9 +123,9 @@ def test_bad_settings_are_one_line_and_status_2(tmp_path: Path) -> None:
 def test_a_repo_id_and_a_relative_path_serve_as_absolute_paths(
     tmp_path: Path, tiny_fp8: Path
 ) -> None:
-    from tests.service.test_settings import hub_snapshot
+    from tests.checkpoint_tools import hub_snapshot
 
-    snapshot = hub_snapshot(tmp_path / "hf", "acme/tiny-fp8")
+    snapshot = hub_snapshot(tmp_path / "hf" / "hub", "acme/tiny-fp8")
     for item in tiny_fp8.iterdir():
         (snapshot / item.name).write_bytes(item.read_bytes())
     daemon = start_daemon(
