@@ -12,10 +12,10 @@ from protocol.errors import UnauthorizedError
 
 
 def read_token_file(path: str | Path) -> str:
-    """The token in ``path``, surrounding whitespace stripped; a missing, unreadable or empty
-    file is an :class:`UnauthorizedError` naming it (and, when unreadable, what to do)."""
+    """The token in ``path`` (:func:`clean_token`); a missing, unreadable or empty file is an
+    :class:`UnauthorizedError` naming it (and, when unreadable, what to do)."""
     try:
-        token = Path(path).read_text(encoding="utf-8").strip()
+        text = Path(path).read_text(encoding="utf-8")
     except PermissionError as exc:
         raise UnauthorizedError(
             f"cannot read token file {path}: {exc.strerror} (this process runs as uid "
@@ -24,9 +24,17 @@ def read_token_file(path: str | Path) -> str:
         ) from exc
     except OSError as exc:
         raise UnauthorizedError(f"cannot read token file {path}: {exc.strerror}") from exc
+    return clean_token(text, f"the token in {path}", f"token file {path} is empty")
+
+
+def clean_token(value: str, what: str = "the token", empty: str | None = None) -> str:
+    """``value`` as daemon and clients compare it: surrounding whitespace stripped, refused
+    (:class:`UnauthorizedError`) when nothing is left (``empty`` says so) or when an HTTP
+    header cannot carry it (:func:`header_safe`)."""
+    token = value.strip()
     if not token:
-        raise UnauthorizedError(f"token file {path} is empty")
-    return header_safe(token, f"the token in {path}")
+        raise UnauthorizedError(empty or f"{what} is empty or whitespace only")
+    return header_safe(token, what)
 
 
 def header_safe(token: str, what: str = "the token") -> str:
@@ -86,4 +94,4 @@ def resolve_token(
     value, file = choose_token(token, token_file, environ)
     if file:
         return read_token_file(file)
-    return header_safe(value.strip()) if value and value.strip() else value
+    return clean_token(value) if value else None

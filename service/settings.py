@@ -31,7 +31,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from protocol.errors import UnauthorizedError
-from protocol.tokens import choose_token, exposed_token_file, header_safe, read_token_file
+from protocol.tokens import choose_token, clean_token, exposed_token_file, read_token_file
 from protocol.version import DEFAULT_PORT
 from service.run_dir import default_run_dir
 from service.setting import ENV_PREFIX, setting
@@ -329,11 +329,8 @@ class DaemonSettings(BaseSettings):
             if exposed is not None:
                 raise ValueError(exposed)
         if self.token is not None:
-            value = self.token.get_secret_value().strip()
-            if not value:
-                raise ValueError("the token is empty or whitespace only")
             try:
-                self.token = SecretStr(header_safe(value))
+                self.token = SecretStr(clean_token(self.token.get_secret_value()))
             except UnauthorizedError as exc:
                 raise ValueError(exc.detail) from exc
         return self

@@ -148,3 +148,15 @@ def test_a_token_no_header_can_carry_is_refused_on_both_sides(
     (tmp_path / "t").write_text(token)
     with pytest.raises(UnauthorizedError, match="visible ASCII"):
         read_token_file(tmp_path / "t")
+
+
+def test_a_whitespace_token_is_refused_by_client_and_daemon_alike(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The daemon refuses a token of whitespace alone; a client given one refuses it too,
+    instead of sending a bearer header with nothing in it."""
+    with pytest.raises(ValidationError, match="whitespace only"):
+        DaemonSettings(token=SecretStr("   "))
+    monkeypatch.setenv("WEIGHT_CACHE_TOKEN", "   ")
+    with pytest.raises(UnauthorizedError, match="whitespace only"):
+        ClientConfig.from_env()
