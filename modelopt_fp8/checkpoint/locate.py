@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from protocol.errors import CheckpointNotFoundError
+from protocol.hub_cache import repo_folder
 
 # org/name as the Hub spells repo ids; a path that exists is always taken as a path.
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+$")
@@ -30,7 +31,7 @@ def cached_snapshot(
 ) -> Path | None:
     """The snapshot of ``revision`` (a branch or tag the cache has a ref for, or a commit
     hash; default ``main``) in the local cache, if it was downloaded."""
-    repo = hub_cache(environ) / f"models--{repo_id.replace('/', '--')}"
+    repo = hub_cache(environ) / repo_folder(repo_id)
     ref = revision or "main"
     try:
         commit = (repo / "refs" / ref).read_text(encoding="utf-8").strip()

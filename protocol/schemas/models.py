@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from protocol.hub_cache import snapshot_repo
 from protocol.schemas.manifest import CheckpointDigests
 from protocol.schemas.parking import ParkedSummary
 from protocol.schemas.text import PrintableStr
@@ -21,10 +22,7 @@ def default_model_id(path: Path) -> str:
     cache (``models--Org--Name/snapshots/<revision>``) is named after its repo, ``Org--Name``
     (the cache's own spelling of ``Org/Name``), not after the revision's hash."""
     real = Path(os.path.realpath(path))  # never raises, even on a symlink loop
-    name = real.name
-    repo = real.parent.parent.name
-    if real.parent.name == "snapshots" and repo.startswith("models--"):
-        name = repo.removeprefix("models--")
+    name = snapshot_repo(real) or real.name
     name = re.sub(r"[^A-Za-z0-9._-]", "-", name).lstrip("._-")
     return (name or "model")[:128]
 
