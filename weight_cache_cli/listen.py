@@ -14,7 +14,7 @@ import errno
 import signal
 import socket
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,12 +25,23 @@ if TYPE_CHECKING:
     from service.settings import DaemonSettings
 
 
-def bind(settings: DaemonSettings) -> socket.socket | PrivateSocket:
-    """The listening socket, bound before any model loads; a taken address is one line (an
-    unknown ``--socket-group`` is a ``ValueError``)."""
+def bind(settings: DaemonSettings) -> tuple[socket.socket, Callable[[], None]]:
+    """The listening socket, bound before any model loads, and what closes it (a Unix
+    socket's file removed with it); a taken address is one line (an unknown
+    ``--socket-group`` is a ``ValueError``)."""
     if settings.uds is not None:
-        return _bind_unix(settings.uds, settings.socket_group)
-    host, port = settings.host, settings.port
+        private = _bind_unix(settings.uds, settings.socket_group)
+
+        def close() -> None:
+            private.sock.close()
+            private.remove()
+
+        return private.sock, close
+    sock = _bind_tcp(settings.host, settings.port)
+    return sock, sock.close
+
+
+def _bind_tcp(host: str, port: int) -> socket.socket:
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE

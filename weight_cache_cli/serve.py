@@ -131,10 +131,9 @@ def serve(**flags: Any) -> None:
     settings = build_settings(**flags)
     check_settings(settings)
     try:
-        bound = bind(settings)
+        listener, close_listener = bind(settings)
     except ValueError as exc:
         raise SettingsError(str(exc)) from exc
-    listener = bound.sock if not isinstance(bound, socket.socket) else bound
     with stopping_signal_deferred() as stopped:
         try:
             if not settings.models:
@@ -146,9 +145,7 @@ def serve(**flags: Any) -> None:
                 )
             daemon = _run(settings, listener, stopped)
         finally:
-            listener.close()
-            if not isinstance(bound, socket.socket):
-                bound.remove()  # the socket file goes with the daemon
+            close_listener()  # a socket file goes with the daemon
     if daemon.startup_failure is not None:
         raise click.ClickException(_startup_failure(daemon))
 
