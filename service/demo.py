@@ -249,6 +249,7 @@ def write_demo_checkpoint(
     flush()
 
     weight_map: dict[str, str] = {}
+    mode = _file_mode()  # safetensors writes 0600; a checkpoint is for others to read
     for i, names in enumerate(files):
         final = (
             "model.safetensors"
@@ -257,7 +258,7 @@ def write_demo_checkpoint(
         )
         weight_map.update(dict.fromkeys(names, final))
         part = out / f"part-{i:05d}.tmp"
-        part.chmod(_file_mode())  # safetensors writes 0600; a checkpoint is for others to read
+        part.chmod(mode)
         part.replace(out / final)
     if len(files) > 1:
         index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}

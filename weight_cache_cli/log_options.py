@@ -1,8 +1,8 @@
 """``--log-level`` and ``--log-format`` after a subcommand too.
 
-They are options of the ``weight-cache`` group (``weight-cache --log-format json serve``), where
-``serve --log-format json`` answered only "No such option". A subcommand taking them as well
-reconfigures logging as soon as they are parsed, keeping the group's value of the one not given.
+They are options of the ``weight-cache`` group (``weight-cache --log-format json serve``); a
+subcommand takes them as well (``serve --log-format json``) and reconfigures logging as soon as
+they are parsed, keeping the group's value of the one not given.
 """
 
 from __future__ import annotations
@@ -33,21 +33,12 @@ def _reconfigure(ctx: click.Context, param: click.Parameter, value: str | None) 
 
 def log_options(command: F) -> F:
     """The group's logging options, accepted after the subcommand as well."""
-    for option in (
-        click.option(
-            "--log-format",
-            type=click.Choice(FORMATS, case_sensitive=False),
+    for variable, choices in ((LOG_FORMAT, FORMATS), (LOG_LEVEL, LEVELS)):
+        command = click.option(
+            variable.flag,
+            type=click.Choice(choices, case_sensitive=False),
             expose_value=False,
             callback=_reconfigure,
-            help=f"{LOG_FORMAT.help}; also before the command.",
-        ),
-        click.option(
-            "--log-level",
-            type=click.Choice(LEVELS, case_sensitive=False),
-            expose_value=False,
-            callback=_reconfigure,
-            help=f"{LOG_LEVEL.help}; also before the command.",
-        ),
-    ):
-        command = option(command)
+            help=f"{variable.help}; also before the command.",
+        )(command)
     return command

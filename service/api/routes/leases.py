@@ -16,7 +16,6 @@ from service.api.problems import problem_responses
 from service.api.routes.deps import CallerDep, DaemonDep, RegistrationId
 
 router = APIRouter(prefix="/v1/leases", tags=["leases"], responses=problem_responses(401, 403, 422))
-LeaseId = RegistrationId
 
 
 @router.post(
@@ -51,7 +50,7 @@ def list_leases(daemon: DaemonDep, caller: CallerDep) -> list[LeaseInfo]:
     summary="One lease",
     responses=problem_responses(404, 409, 410),
 )
-def get_lease(lease_id: LeaseId, daemon: DaemonDep, caller: CallerDep) -> LeaseInfo:
+def get_lease(lease_id: RegistrationId, daemon: DaemonDep, caller: CallerDep) -> LeaseInfo:
     return daemon.lease(lease_id, caller)
 
 
@@ -62,7 +61,7 @@ def get_lease(lease_id: LeaseId, daemon: DaemonDep, caller: CallerDep) -> LeaseI
     responses=problem_responses(404, 409, 410),
 )
 def renew(
-    lease_id: LeaseId,
+    lease_id: RegistrationId,
     daemon: DaemonDep,
     caller: CallerDep,
     body: Annotated[RenewRequest | None, Body()] = None,
@@ -76,6 +75,6 @@ def renew(
     summary="Release a lease",
     responses=problem_responses(404, 409, 410),
 )
-def release(lease_id: LeaseId, daemon: DaemonDep, caller: CallerDep) -> Response:
+def release(lease_id: RegistrationId, daemon: DaemonDep, caller: CallerDep) -> Response:
     daemon.release(lease_id, caller)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
