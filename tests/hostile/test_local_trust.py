@@ -22,7 +22,7 @@ from click.testing import CliRunner
 
 from service.memory.shm import arena_dir_path
 from tests.daemon_process import lease_body, start_daemon
-from tests.hostile.users import NOBODY, UserAgent, needs_root
+from tests.hostile.users import NOBODY, UserAgent, needs_root, run_as
 from tests.waiting import wait_for
 from weight_cache_cli import cli
 
@@ -87,20 +87,11 @@ def test_the_unix_socket_is_the_owners_and_goes_with_the_daemon(
     try:
         assert stat.S_IMODE(sock.stat().st_mode) == 0o600
         code = (
-            "import os, socket, sys\n"
-            "os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
             "s = socket.socket(socket.AF_UNIX)\n"
             "try:\n    s.connect(sys.argv[1]); print('connected')\n"
             "except PermissionError:\n    print('denied')\n"
         )
-        out = subprocess.run(
-            [sys.executable, "-c", code, str(sock)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-        assert out.stdout.strip() == "denied"
+        assert run_as(NOBODY, NOBODY, code, str(sock)) == "denied"
     finally:
         daemon.stop()
     assert not sock.exists()  # removed at shutdown

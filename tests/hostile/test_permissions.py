@@ -21,9 +21,8 @@ from service.memory.shm import FILE_PREFIX, arena_dir_path
 from tests.daemon_process import start_daemon
 from tests.hostile.conftest import Hostile
 from tests.hostile.probe import HealthProbe
+from tests.hostile.users import NOBODY, run_as
 from weight_cache_cli import cli
-
-NOBODY = 65534
 
 
 @pytest.fixture
@@ -129,18 +128,8 @@ def test_a_group_may_map_arenas(tmp_path: Path, tiny_fp8: Path, open_root: Path)
         assert stat.S_IMODE(daemon.shm_dir.stat().st_mode) == 0o750
         assert stat.S_IMODE(arena.stat().st_mode) == 0o640
         assert arena.stat().st_gid == NOBODY
-        code = (
-            "import os, sys; os.setgroups([65534]); os.setgid(65534); os.setuid(65534); "
-            "print(len(open(sys.argv[1], 'rb').read(16)))"
-        )
-        out = subprocess.run(
-            [sys.executable, "-c", code, str(arena)],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        )
-        assert out.stdout.strip() == "16"
+        code = "print(len(open(sys.argv[1], 'rb').read(16)))"
+        assert run_as(NOBODY, NOBODY, code, str(arena), groups=(NOBODY,)) == "16"
     finally:
         daemon.stop()
 

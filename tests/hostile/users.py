@@ -114,3 +114,21 @@ def process_of(uid: int) -> Iterator[subprocess.Popen[bytes]]:
         assert victim.stdin is not None
         victim.stdin.close()
         victim.wait(30)
+
+
+def run_as(uid: int, gid: int, code: str, *args: str, groups: tuple[int, ...] = ()) -> str:
+    """What Python ``code`` (given ``args``) prints when run as ``uid`` and ``gid`` with the
+    supplementary ``groups`` alone, else its error. The modules it uses are imported first, as
+    root (the checkout's environment need not be readable by that user)."""
+    drop = (
+        "import os, socket, sys\n"
+        f"os.setgroups({list(groups)!r}); os.setgid({gid}); os.setuid({uid})\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", drop + code, *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    return out.stdout.strip() or out.stderr.strip()
