@@ -106,8 +106,11 @@ def wait_until_released(load: Load) -> None:
     if not load.options.park:
         return
     rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    tier = IdentityTier(load.options.identity)
 
     def spot() -> ParkingSpot:
+        # The engine's own checkpoint first: one it cannot compare fails before any park.
+        checkpoint_identity(load.vllm_config, load.model_config, tier)
         chosen = daemon_model(load.client_config, load.options, load.vllm_config, load.model_config)
         return ParkingSpot(chosen.id, rank, size, engine_group(), load.options.parks_if_serving)
 

@@ -22,7 +22,8 @@ def default_model_id(path: Path) -> str:
     cache (``models--Org--Name/snapshots/<revision>``) is named after its repo, ``Org--Name``
     (the cache's own spelling of ``Org/Name``), not after the revision's hash."""
     real = Path(os.path.realpath(path))  # never raises, even on a symlink loop
-    name = snapshot_repo(real) or real.name
+    repo = snapshot_repo(real)
+    name = real.name if repo is None else repo
     name = re.sub(r"[^A-Za-z0-9._-]", "-", name).lstrip("._-")
     return (name or "model")[:128]
 

@@ -38,7 +38,7 @@ def log_refusal(method: str, path: str, error: WeightCacheError) -> None:
 def problem_response(error: WeightCacheError, **headers: str) -> JSONResponse:
     body = error.problem_fields()
     if "retry_after_s" in error.extra:
-        headers["Retry-After"] = str(error.extra.get("retry_after_s", 1))
+        headers["Retry-After"] = str(error.extra["retry_after_s"])
     if isinstance(error, UnauthorizedError):
         headers["WWW-Authenticate"] = 'Bearer realm="weight-cache"'
     return JSONResponse(
