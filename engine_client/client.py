@@ -37,6 +37,7 @@ from protocol.tokens import resolve_token
 from protocol.version import DEFAULT_PORT
 
 DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
+STANDBY_GROUP_VARIABLE = "WEIGHT_CACHE_STANDBY_GROUP"
 T = TypeVar("T", bound=BaseModel)
 
 
@@ -64,6 +65,8 @@ class ClientConfig:
     retry_backoff_s: float = 0.1
     cache_layouts: bool = True  # send known_layout for layouts this process already holds
     handle_socket: str | None = None  # the daemon's handle socket, if not where grants say
+    # Set by `weight-cache standby` for the engine it starts: leases are taken under its group.
+    standby_group: str | None = None
 
     @classmethod
     def from_env(cls, token_file: str | None = None, **overrides: Any) -> ClientConfig:
@@ -75,6 +78,7 @@ class ClientConfig:
         values: dict[str, Any] = {"url": daemon_url(os.environ)}
         if "url" not in given:
             values["uds"] = os.environ.get("WEIGHT_CACHE_UDS") or None
+        values["standby_group"] = os.environ.get(STANDBY_GROUP_VARIABLE) or None
         values.update(given)
         values["token"] = resolve_token(given.get("token"), token_file)
         return cls(**values)
@@ -127,6 +131,7 @@ class _LeaseCall:
             client_pid=os.getpid(),
             ttl_s=ttl_s,
             known_layout=self.named.layout_digest if self.named else None,
+            standby_group=config.standby_group,
         ).model_dump(mode="json", exclude_none=True)
 
     def grant(self, response: httpx.Response) -> LeaseGrant:

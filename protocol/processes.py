@@ -11,6 +11,7 @@ class ProcessStatus(NamedTuple):
     owner: int  # the uid that owns the process
     start: int  # its start time in clock ticks (tells it from a later one with its pid)
     state: str  # its state letter (Z: a zombie)
+    parent: int  # its parent's pid
 
     @property
     def ended(self) -> bool:
@@ -40,10 +41,28 @@ def process_status(pid: int) -> ProcessStatus | None:
         os.close(folder)
     # The command name may hold spaces and parentheses: split after its closing ")".
     fields = stat[stat.rindex(")") + 2 :].split()
-    return ProcessStatus(owner, int(fields[19]), fields[0])
+    return ProcessStatus(owner, int(fields[19]), fields[0], int(fields[1]))
 
 
 def process_ended(pid: int) -> bool:
     """Whether ``pid`` has ended: no such process, or a zombie its parent has not reaped."""
     status = process_status(pid)
     return status is None or status.ended
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process below it, read from ``/proc`` (none if ``root`` is gone)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            status = process_status(int(entry))
+            if status is not None:
+                children.setdefault(status.parent, []).append(int(entry))
+    if process_status(root) is None:
+        return []
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree

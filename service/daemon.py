@@ -37,6 +37,7 @@ from service.memory.devices import collect_ipc_handles, device_infos, use_plain_
 from service.memory.shm import ArenaDir, remove_stale_files
 from service.metrics import Metrics, StateSnapshot
 from service.registry.compatibility import check_request_fits
+from service.registry.exit_watch import ExitWatch
 from service.registry.grant import Grant
 from service.registry.lease_holders import Caller, prove_holder
 from service.registry.lease_limits import LeaseLimits
@@ -64,15 +65,17 @@ class Daemon:
         self.models = ModelTable(settings, self.lock, on_loaded=self.metrics.load_seconds.observe)
         self.leases = LeaseTable(self.boot_id, self.lock, on_end=self._lease_ended)
         self.limits = LeaseLimits(settings)
-        # Engines waiting: parked ones (released when one on their model ends) and those
-        # queued for their GPU's start-up slot; the routes use these two registries directly.
+        # Engines waiting: parked ones and warm standbys (released when one serving their
+        # model ends) and those queued for their GPU's start-up slot; the routes use these two
+        # registries directly.
         self.waiting = WaitingEngines(
             self.boot_id,
             self.lock,
             settings,
             self.metrics,
             self.models.get,
-            lambda model: self.leases.count(model) > 0,
+            self.leases.serving,
+            self._promote,
         )
         self.parking, self.startup_slots = self.waiting.parking, self.waiting.startup_slots
         # The handle socket, the keeper and adoption: what lets arenas outlive this process.
@@ -88,6 +91,8 @@ class Daemon:
             torch_version=torch.__version__,
         )
         self.arena_dir: ArenaDir | None = None
+        # Sweeps the moment a watched process ends (a serving engine killed: its standby wakes).
+        self.exit_watch = ExitWatch(self.watched_processes, self.sweep)
 
     @property
     def startup_failure(self) -> tuple[str, WeightCacheError] | None:
@@ -114,6 +119,7 @@ class Daemon:
             stale = remove_stale_files(root) + self.arena_dir.remove_stale()  # earlier layout too
             for path in stale:
                 log.info("removed stale shared-memory arena %s", path)
+        self.exit_watch.start()
         self.models.load_at_start(
             self.settings.startup_models(),
             self.settings.tp_size,
@@ -124,6 +130,7 @@ class Daemon:
 
     def shutdown(self) -> None:
         """Stop; with a keeper, leave the arenas to it (the next daemon takes them over)."""
+        self.exit_watch.stop()
         if self.custody.keeps:
             self.models.detach_all()
         else:
@@ -216,6 +223,7 @@ class Daemon:
                 ttl,
                 self.leases.now(),
                 holder,
+                req.standby_group,
             )
             try:
                 handle = rank.arena.export(self.custody.access(lease))  # fresh for every lease
@@ -224,6 +232,7 @@ class Daemon:
                 raise
             self.custody.lease_granted(lease)
             info = lease.info(self.boot_id)
+        self.exit_watch.poke()  # watch its holder from now on
         self.metrics.leases_granted.inc()
         arena = ArenaDescriptor(index=0, nbytes=rank.arena.nbytes, handle=handle)
         return Grant(info, rank, [arena], req.known_layout != rank.manifest.layout_digest)
@@ -274,20 +283,33 @@ class Daemon:
             LeaseEnd.reaped: self.metrics.leases_reaped,
         }
         counters[how].inc()
-        self.parking.lease_ended(
-            lease.model,
-            lease.tp_rank,
-            lease.tp_size,
-            lease.holder_pid,  # the process pid_start is of (the one watched)
-            lease.pid_start,
-            process_gone=how is LeaseEnd.reaped,
-            now=self.leases.now(),
-        )
+        if lease.serving:  # a sleeping standby's lease served nobody: no one replaces it
+            self.parking.lease_ended(
+                lease.model,
+                lease.tp_rank,
+                lease.tp_size,
+                lease.holder_pid,  # the process pid_start is of (the one watched)
+                lease.pid_start,
+                process_gone=how is LeaseEnd.reaped,
+                now=self.leases.now(),
+            )
         self.custody.lease_ended(lease)
         if how is LeaseEnd.expired:  # reaped ones are logged once per dead client (sweep)
             log.info(
                 "lease %s on %s %s (pid %d)", lease.id, lease.model, how.value, lease.client_pid
             )
+
+    def _promote(self, group: str, holder_uid: int | None) -> None:
+        """A warm standby was released (under the lock): its leases serve from now on, and the
+        keeper records them so."""
+        for lease in self.leases.promote(group, holder_uid):
+            self.custody.lease_granted(lease)
+
+    def watched_processes(self) -> set[tuple[int, int]]:
+        """(PID, start) of every process whose end the sweep acts on: lease holders and
+        waiting engines."""
+        with self.lock:
+            return set(self.leases.watched()) | self.waiting.watched()
 
     def sweep(self) -> None:
         """End expired leases and those whose client died, and forget waiting engines that are

@@ -48,6 +48,13 @@ OTHER_VARIABLES = (
         "Where client commands (status, attach) and the engine find the daemon",
     ),
     Variable(
+        f"{ENV_PREFIX}STANDBY_GROUP",
+        "",
+        "unset",
+        "Set by `weight-cache standby` for the engine it starts: the group its leases are "
+        "taken under, so they count as serving only once the standby is released",
+    ),
+    Variable(
         f"{ENV_PREFIX}BENCH_DIR",
         "",
         "~/.cache/weight-cache/bench",

@@ -228,7 +228,8 @@ class DaemonSettings(BaseSettings):
     max_parked_per_client: int = setting(
         4,
         flag="--max-parked-per-client",
-        help="Most parked engines (ranks), and start-up slot tickets, of one process",
+        help="Most engines waiting (parked, warm standbys), and start-up slot groups, of one "
+        "process (the ranks of one engine count once)",
         ge=1,
     )
     max_parked_per_uid: int = setting(

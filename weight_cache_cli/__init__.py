@@ -18,6 +18,7 @@ from weight_cache_cli.keeper import keeper
 from weight_cache_cli.openapi import openapi
 from weight_cache_cli.parking import parking
 from weight_cache_cli.serve import SettingsError, serve
+from weight_cache_cli.standby import standby
 from weight_cache_cli.status import status
 
 
@@ -51,7 +52,9 @@ def cli(log_level: str, log_format: str) -> None:
       curl localhost:8470/v1/inventory
       weight-cache status                 # the inventory as a table
       weight-cache attach --check         # attach as an engine would, compare with disk
-      weight-cache parking                # parked engines; release or cancel one
+      weight-cache parking                # parked engines and standbys; release or cancel one
+      weight-cache standby -- vllm serve CKPT --load-format weight_cache --enable-sleep-mode ...
+                                          # a warm standby: asleep until the serving engine ends
     \b
     With vLLM: vllm serve CKPT --load-format weight_cache \\
         --model-loader-extra-config '{"url": "http://127.0.0.1:8470"}'
@@ -65,7 +68,16 @@ def cli(log_level: str, log_format: str) -> None:
         raise SettingsError(str(exc)) from exc
 
 
-for command in (serve, keeper, status, attach_command, parking, openapi, demo_checkpoint):
+for command in (
+    serve,
+    keeper,
+    status,
+    attach_command,
+    parking,
+    standby,
+    openapi,
+    demo_checkpoint,
+):
     cli.add_command(command)
 
 

@@ -73,3 +73,17 @@ class ParkEndedError(CarriesReason):
         "cancelled or waited past `park_timeout`"
     )
     default_reason = Reason.park_cancelled
+
+
+class StandbyEngineError(WeightCacheError):
+    """A warm standby's engine did not answer its sleep endpoints as asked (it is not started
+    with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``, or it failed); raised by
+    ``weight-cache standby`` only, which then cannot hold the engine asleep or wake it."""
+
+    code = "standby_engine_failed"
+    status = 502
+    title = "The standby's engine did not sleep or wake"
+    hint = (
+        "start the engine with `--enable-sleep-mode` (GPU only) under `weight-cache standby`, "
+        "which sets VLLM_SERVER_DEV_MODE=1; the engine's log says why it refused"
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.schemas.manifest import ArenaDescriptor, Manifest
+from protocol.schemas.parking import GROUP_PATTERN
 
 MAX_TTL_S = 86_400.0
 _NAME = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -28,6 +29,13 @@ class LeaseRequest(BaseModel):
         default=None,
         pattern=r"^[0-9a-f]{32}$",
         description="layout_digest of a manifest the client already holds for this model/rank",
+    )
+    standby_group: str | None = Field(
+        default=None,
+        pattern=GROUP_PATTERN,
+        description="the group of the warm standby this engine starts as (`weight-cache "
+        "standby`): the lease does not count as serving the model until the standby of that "
+        "group is released",
     )
 
 
@@ -59,6 +67,11 @@ class LeaseInfo(BaseModel):
     expires_at: float = Field(description="unix seconds")
     ttl_s: float
     renewals: int
+    standby_group: str | None = Field(
+        default=None,
+        description="set while the lease is a warm standby's that has not been released: it "
+        "does not count as serving the model, and its end releases no waiting engine",
+    )
 
 
 class LeaseGrant(BaseModel):

@@ -1,5 +1,6 @@
-"""Parked engines: started ahead of need, waiting at their load step until the daemon releases
-them (``/v1/parking``)."""
+"""Engines waiting to take over (``/v1/parking``): parked ones, started ahead of need and
+waiting at their load step, and warm standbys, started all the way (attached, compiled, CUDA
+graphs captured, KV cache sized) and asleep, until the daemon releases them."""
 
 from __future__ import annotations
 
@@ -37,8 +38,14 @@ class ParkRequest(BaseModel):
     )
     if_serving: bool = Field(
         default=False,
-        description="wait only while an engine holds a lease on the model: released at once "
+        description="wait only while an engine serves the model: released at once "
         "(cause 'unserved') when none does",
+    )
+    standby: bool = Field(
+        default=False,
+        description="a warm standby: an engine that has started and sleeps, registered by "
+        "`weight-cache standby`; the leases its engine took under the same group "
+        "(standby_group) do not count as serving until it is released",
     )
 
 
@@ -48,6 +55,7 @@ class ParkedEngine(BaseModel):
     tp_rank: int
     tp_size: int
     group: str
+    standby: bool = Field(default=False, description="a warm standby (asleep), not parked")
     client_pid: int
     pid_watched: bool = Field(description="whether the daemon can see the PID to reap it")
     boot_id: str
@@ -63,6 +71,7 @@ class ParkedEngine(BaseModel):
 class ParkedSummary(BaseModel):
     """A model's parked engines (ranks), as the model's record shows them."""
 
-    count: int = Field(default=0, description="ranks parked (an engine at TP n parks n)")
+    count: int = Field(default=0, description="ranks waiting (an engine at TP n waits as n)")
+    standby: int = Field(default=0, description="of those, ranks of warm standbys (asleep)")
     since: float | None = Field(default=None, description="unix seconds the oldest parked")
     pids: list[int] = Field(default_factory=list, description="their processes")

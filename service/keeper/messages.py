@@ -63,6 +63,7 @@ class KeptLease(BaseModel):
     ttl_s: float
     renewals: int
     secret: str
+    standby_group: str | None = None
 
 
 class Attach(BaseModel):

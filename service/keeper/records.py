@@ -72,6 +72,7 @@ def kept_lease(lease: Lease) -> KeptLease:
         ttl_s=lease.ttl_s,
         renewals=lease.renewals,
         secret=lease.secret,
+        standby_group=lease.standby_group,
     )
 
 

@@ -53,6 +53,12 @@ class Lease:
     renewals: int = 0
     # Presented with the lease id to the handle socket: only the grant's receiver knows it.
     secret: str = ""
+    # A warm standby's lease, until its standby is released: it serves nobody yet.
+    standby_group: str | None = None
+
+    @property
+    def serving(self) -> bool:
+        return self.standby_group is None
 
     def info(self, boot_id: str) -> LeaseInfo:
         return LeaseInfo(
@@ -69,6 +75,7 @@ class Lease:
             expires_at=self.expires_at,
             ttl_s=self.ttl_s,
             renewals=self.renewals,
+            standby_group=self.standby_group,
         )
 
 
@@ -109,6 +116,8 @@ class LeaseTable:
         # Holder PID -> its leases. All share one process start time: a lease from a reused
         # PID ends the earlier process's leases first (see add).
         self._by_pid: dict[int, set[str]] = {}
+        # Standby groups released (with their user): a lease taken under one later serves.
+        self._promoted: OrderedDict[tuple[str, int | None], None] = OrderedDict()
 
     def add(
         self,
@@ -119,9 +128,11 @@ class LeaseTable:
         ttl_s: float,
         now: float,
         holder: Holder,
+        standby_group: str | None = None,
     ) -> Lease:
         """A lease for ``holder``, proven (:func:`~service.registry.lease_holders.prove_holder`)
-        before the caller took the daemon's lock: no grant waits on another's ``/proc`` read."""
+        before the caller took the daemon's lock: no grant waits on another's ``/proc`` read.
+        With ``standby_group``, a warm standby's: not serving until :meth:`promote`."""
         if holder.pid is not None:
             known = self._start_of(holder.pid)
             if known is not None and holder.pid_start is not None and known != holder.pid_start:
@@ -139,9 +150,23 @@ class LeaseTable:
             expires_at=now + ttl_s,
             ttl_s=ttl_s,
             secret=secrets.token_urlsafe(18),  # 144 bits
+            standby_group=None if (standby_group, holder.uid) in self._promoted else standby_group,
         )
         self._insert(lease)
         return lease
+
+    def promote(self, group: str, holder_uid: int | None) -> list[Lease]:
+        """The warm standby of ``group`` (of user ``holder_uid``) was released: its leases serve
+        from now on. Another user's leases naming the group are left as they are."""
+        self._promoted[(group, holder_uid)] = None
+        while len(self._promoted) > _REMEMBERED_ENDINGS:
+            self._promoted.popitem(last=False)
+        promoted = []
+        for lease in self.active.values():
+            if lease.standby_group == group and lease.holder_uid == holder_uid:
+                lease.standby_group = None
+                promoted.append(lease)
+        return promoted
 
     def adopt(self, lease: Lease, now: float) -> Lease:
         """Take over a lease an earlier daemon granted (same id and secret), with a full TTL
@@ -213,6 +238,12 @@ class LeaseTable:
         if model is None:
             return len(self.active)
         return self._by_model.get(model, 0)
+
+    def serving(self, model: str) -> bool:
+        """Whether an engine serves ``model``: a lease on it that is not a sleeping standby's."""
+        if not self._by_model.get(model):
+            return False
+        return any(x.model == model and x.serving for x in self.active.values())
 
     def count_client(self, pid: int) -> int:
         """Active leases held by process ``pid``."""

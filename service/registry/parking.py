@@ -1,11 +1,16 @@
-"""Parked engines: engines started ahead of need, each waiting at its load step (holding only its
-CUDA context) until the daemon releases it.
+"""Engines waiting to take over: parked ones, started ahead of need, each waiting at its load step
+(holding only its CUDA context), and warm standbys, started all the way and asleep (registered
+by ``weight-cache standby``), until the daemon releases them.
 
 One is released when an engine that held a lease on the same model and TP size ends (the
 reaper finds its process gone, or it released its lease and then exited), or when an operator
 asks. The TP ranks of one engine park under one group and are released together, oldest group
 first; an engine that ends releases one group once each of its ranks has ended, so a TP engine's
 two leases ending in two sweeps release one waiting engine, not two.
+
+A warm standby holds leases itself (taken under its group, ``standby_group``): they are not
+serving while it waits, so they neither keep a standby with ``if_serving`` waiting nor release
+anyone when they end; releasing the standby promotes them (``promote``).
 
 A registration is its caller's (:mod:`service.registry.lease_holders`): the process watched is
 the one the kernel proved, and it is read, released, cancelled or withdrawn only by its user or a
@@ -54,13 +59,14 @@ GroupKey = tuple[str, int]  # (model, tp_size): parked engines that can replace 
 class Parked(Registration):
     model: str
     parked_at: float
+    standby: bool = False
     state: ParkState = ParkState.parked
     released_at: float | None = None
     cause: ReleaseCause | None = None
 
     @property
     def kind(self) -> object:
-        return self.model  # the ranks of one engine park for one model
+        return (self.model, self.standby)  # the ranks of one engine wait alike, for one model
 
     @property
     def key(self) -> GroupKey:
@@ -70,6 +76,7 @@ class Parked(Registration):
         return ParkedEngine(
             **self.shown(boot_id),
             model=self.model,
+            standby=self.standby,
             state=self.state,
             parked_at=self.parked_at,
             released_at=self.released_at,
@@ -96,10 +103,12 @@ class ParkingLot:
         grace_s: float = PARK_GRACE_S,
         known_model: Callable[[str], object] | None = None,
         serving: Callable[[str], bool] | None = None,
+        promote: Callable[[str, int | None], object] | None = None,
     ) -> None:
         self.boot_id = boot_id
         self.known_model = known_model  # raises for a model the daemon does not hold
-        self.serving = serving  # whether any engine holds a lease on a model
+        self.serving = serving  # whether an engine serves a model (not a standby's lease)
+        self.promote = promote  # a released standby's group and user: its leases now serve
         self.lock = lock
         self.caps = caps
         self.on_change = on_change
@@ -119,11 +128,11 @@ class ParkingLot:
         with self.lock:
             if self.known_model is not None:
                 self.known_model(req.model)
-            self.caps.check("parked engines", self.parked.values(), holder)
+            self.caps.check("parked engines", self.parked.values(), holder, req.group)
             check_joins_group(
                 req.group,
                 self._members(req.group),
-                Joining(holder.uid, req.tp_rank, req.tp_size, req.model),
+                Joining(holder.uid, req.tp_rank, req.tp_size, (req.model, req.standby)),
             )
             entry = Parked(
                 id=new_id(self.boot_id),
@@ -131,6 +140,7 @@ class ParkingLot:
                 tp_rank=req.tp_rank,
                 tp_size=req.tp_size,
                 group=req.group,
+                standby=req.standby,
                 client_pid=client_pid,
                 pid_start=holder.pid_start,
                 holder_uid=holder.uid,
@@ -275,6 +285,7 @@ class ParkingLot:
             ]
             return ParkedSummary(
                 count=len(waiting),
+                standby=sum(1 for p in waiting if p.standby),
                 since=min((p.parked_at for p in waiting), default=None),
                 pids=sorted({p.client_pid for p in waiting}),
             )
@@ -339,6 +350,8 @@ class ParkingLot:
             member.cause = cause
             member.expires_at = now + self.grace_s
             self._changed(member.id)
+        if members and members[0].standby and self.promote is not None:
+            self.promote(group, members[0].holder_uid)
         if self.on_release is not None:
             self.on_release(cause)
         return members

@@ -86,7 +86,7 @@ class StartupSlots:
         the GPU is free, else waiting."""
         client_pid = holder.pid_or(req.client_pid)
         with self.lock:
-            self.caps.check("start-up slot tickets", self.tickets.values(), holder)
+            self.caps.check("start-up slot tickets", self.tickets.values(), holder, req.group)
             check_joins_group(
                 req.group,
                 (t for t in self.tickets.values() if t.group == req.group),

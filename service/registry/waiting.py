@@ -22,6 +22,7 @@ class WaitingEngines:
         metrics: Metrics,
         known_model: Callable[[str], object],
         serving: Callable[[str], bool],
+        promote: Callable[[str, int | None], object],
     ) -> None:
         caps = WaitingCaps(
             settings.max_parked, settings.max_parked_per_uid, settings.max_parked_per_client
@@ -33,6 +34,7 @@ class WaitingEngines:
             on_release=lambda cause: metrics.parked_releases.labels(cause=cause.value).inc(),
             known_model=known_model,
             serving=serving,
+            promote=promote,
         )
         self.startup_slots = StartupSlots(
             boot_id,

@@ -94,7 +94,9 @@ class WaitingCaps:
     per_uid: int  # --max-parked-per-uid
     per_client: int  # --max-parked-per-client
 
-    def check(self, what: str, registered: Iterable[Registration], holder: Holder) -> None:
+    def check(
+        self, what: str, registered: Iterable[Registration], holder: Holder, group: str
+    ) -> None:
         """Refuse one more ``what`` (say "parked engines") for ``holder``, given every
         registration kept. A holder whose process the daemon cannot see (another container's
         pid, likely the same small number as its neighbours') is counted by its user alone, as
@@ -112,8 +114,10 @@ class WaitingCaps:
         pid = holder.pid
         if pid is None:
             return
-        mine = sum(1 for r in kept if r.watched_pid == pid)
-        if mine >= self.per_client:
+        # Per process, engines (groups) count: a warm standby registers every rank of its
+        # engine from one process, a parked engine's ranks each from their own.
+        mine = len({r.group for r in kept if r.watched_pid == pid})
+        if mine >= self.per_client and group not in {r.group for r in kept if r.watched_pid == pid}:
             raise TooManyClientParkedError(
                 f"process {pid} has {mine} {what}", client_pid=pid, limit=self.per_client
             )

@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 
 from engine_client.client import ClientConfig, DaemonClient
-from tests.gpu.processes import LoggedProcess, process_tree, read_chars
+from protocol.processes import process_tree
+from tests.gpu.processes import LoggedProcess, read_chars
 
 
 @dataclass

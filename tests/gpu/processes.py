@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from protocol.processes import process_tree
+
 
 @dataclass(frozen=True)
 class Line:
@@ -139,33 +141,6 @@ class LoggedProcess:
     def descendants(self) -> list[int]:
         """This process and every process below it, from ``/proc`` (Linux)."""
         return process_tree(self.pid)
-
-
-def _parent_of(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name sits in parentheses and may contain anything; the fields follow it.
-    return int(stat[stat.rindex(")") + 2 :].split()[1])
-
-
-def process_tree(root: int) -> list[int]:
-    """``root`` and its descendants, read from ``/proc`` (a pid that is gone has none)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            parent = _parent_of(int(entry))
-            if parent is not None:
-                children.setdefault(parent, []).append(int(entry))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        if pid == root and not Path(f"/proc/{pid}").exists():
-            return []
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
-    return tree
 
 
 def read_chars(pid: int) -> int | None:

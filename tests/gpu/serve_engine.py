@@ -18,9 +18,10 @@ from typing import Any
 
 import httpx
 
+from protocol.processes import process_tree
 from tests.gpu.completions import SERVED_MODEL_NAME, Answer, complete
 from tests.gpu.gpu_memory import held_by
-from tests.gpu.processes import LoggedProcess, process_tree
+from tests.gpu.processes import LoggedProcess
 from tests.gpu.vllm_logs import process_pids, serve_phases
 
 VLLM_MAIN = "import sys; from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()"

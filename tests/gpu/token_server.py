@@ -1,7 +1,10 @@
 """A small HTTP server that answers the two routes the restart proof uses of ``vllm serve``
 (``GET /health``, ``POST /v1/completions`` with ``return_token_ids``), with token ids computed
 from the prompt, so the proof's processes, proxy, request streams and accounting run on a machine
-without a GPU. With ``--attach`` it first leases the model from the daemon as an engine does (the
+without a GPU. Under ``VLLM_SERVER_DEV_MODE=1`` it also answers vLLM's sleep endpoints
+(``POST /sleep``, ``POST /wake_up``, ``GET /is_sleeping``) as ``vllm serve`` does, and counts the
+completions it was asked for while asleep (``GET /stats``): a proxy must send none. With
+``--attach`` it first leases the model from the daemon as an engine does (the
 project's client: a real lease, kept alive while it serves); with ``--park`` it parks with the
 daemon before that, listening on no port until released. It stands for no part of vLLM: tests of
 the proof's own code use it.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -30,6 +34,10 @@ def tokens_for(prompt: list[int], count: int) -> list[int]:
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     delay_s = 0.0
+    port = 0
+    dev_mode = False  # VLLM_SERVER_DEV_MODE: the sleep endpoints are served
+    asleep = False
+    served_asleep = 0  # completions asked for while asleep
 
     def _send(self, status: int, body: dict[str, Any]) -> None:
         payload = json.dumps(body).encode()
@@ -42,18 +50,31 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/health":
             self._send(200, {})
+        elif self.path == "/stats":
+            self._send(200, {"served_asleep": Handler.served_asleep})
+        elif self.path == "/is_sleeping" and self.dev_mode:
+            self._send(200, {"is_sleeping": Handler.asleep})
         else:
             self._send(404, {"error": "not found"})
 
     def do_POST(self) -> None:
         length = int(self.headers.get("content-length", "0"))
         request = json.loads(self.rfile.read(length) or b"{}")
+        path = self.path.split("?", 1)[0]
+        if path in ("/sleep", "/wake_up") and self.dev_mode:
+            Handler.asleep = path == "/sleep"
+            print(f"{'asleep' if Handler.asleep else 'awake'}", flush=True)
+            self._send(200, {"status": "sleeping" if Handler.asleep else "awake"})
+            return
+        if Handler.asleep:
+            Handler.served_asleep += 1
         if self.path != "/v1/completions" or not isinstance(request.get("prompt"), list):
             self._send(400, {"error": "expected /v1/completions with token ids"})
             return
         time.sleep(self.delay_s)  # the time a generation takes
         tokens = tokens_for(request["prompt"], int(request.get("max_tokens", 16)))
-        self._send(200, {"choices": [{"index": 0, "text": "", "token_ids": tokens}]})
+        choices = [{"index": 0, "text": "", "token_ids": tokens}]
+        self._send(200, {"choices": choices, "served_by": Handler.port})
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # one line per request would flood the proof's logs
@@ -68,9 +89,8 @@ def attach(url: str, checkpoint: Path, model: str) -> object:
     from engine_client.verify import Expectations
 
     expect = Expectations.for_checkpoint(checkpoint, torch.device("cpu"))
-    weights = attach_or_read(
-        model, checkpoint, expect, config=ClientConfig(url=url), fallback=False
-    )
+    config = ClientConfig.from_env(url=url)  # a standby's group comes from the environment
+    weights = attach_or_read(model, checkpoint, expect, config=config, fallback=False)
     print(f"attached {len(weights.tensors)} tensors of {model}", flush=True)
     return weights
 
@@ -94,6 +114,8 @@ def main() -> int:
             return 1
     held = attach(args.attach, args.checkpoint, args.model) if args.attach else None
     Handler.delay_s = args.delay_s
+    Handler.port = args.port
+    Handler.dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
     print(f"token server listening on {args.port}", flush=True)
     server.serve_forever()

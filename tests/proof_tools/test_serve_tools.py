@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from protocol.processes import process_tree
 from tests.daemon_process import free_port
 from tests.gpu import serve_report
 from tests.gpu.caddy_proxy import CADDYFILE, CaddyProxy, find_caddy
@@ -22,7 +23,7 @@ from tests.gpu.completions import RequestStream, StreamAccount
 from tests.gpu.daemon_runner import DaemonCommand, ServedDaemon
 from tests.gpu.gpu_memory import held_by, parse_compute_apps
 from tests.gpu.parking import parked_now
-from tests.gpu.processes import Line, LoggedProcess, process_tree, read_chars
+from tests.gpu.processes import Line, LoggedProcess, read_chars
 from tests.gpu.serve_engine import ServeEngine, loader_config, vllm_serve_argv
 from tests.gpu.token_server import tokens_for
 from tests.gpu.vllm_logs import loading_figures, serve_phases

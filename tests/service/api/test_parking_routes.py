@@ -47,7 +47,12 @@ def test_park_list_summary_release_and_withdraw(served: Served) -> None:
     assert parked.boot_id == served.daemon.boot_id
     assert [p["id"] for p in c.get("/v1/parking").json()] == [parked.id]
     summary = c.get("/v1/models/tiny").json()["parked"]
-    assert summary == {"count": 1, "since": parked.parked_at, "pids": [os.getpid()]}
+    assert summary == {
+        "count": 1,
+        "standby": 0,
+        "since": parked.parked_at,
+        "pids": [os.getpid()],
+    }
     inventory = c.get("/v1/inventory").json()
     assert inventory["models"][0]["parked"]["count"] == 1
     assert "weight_cache_parked_engines 1.0" in c.get("/metrics").text
