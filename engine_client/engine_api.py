@@ -23,9 +23,11 @@ SLEEP_FLAG = "--enable-sleep-mode"  # without it (or on a CPU) sleeping frees no
 class EngineApi:
     """One engine's API server at ``url`` (``http://127.0.0.1:8000``)."""
 
-    def __init__(self, url: str, timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, url: str, timeout_s: float = 120.0, client: httpx.Client | None = None
+    ) -> None:
         self.url = url.rstrip("/")
-        self._client = httpx.Client(base_url=self.url, timeout=timeout_s)
+        self._client = client or httpx.Client(base_url=self.url, timeout=timeout_s)
 
     def close(self) -> None:
         self._client.close()

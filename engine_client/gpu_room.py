@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Collection, Iterator
 from types import ModuleType
@@ -114,3 +115,44 @@ def wait_for_room(needed: dict[str, int], timeout_s: float = 30.0) -> float:
                 )
                 return time.monotonic() - start
             time.sleep(POLL_S)
+
+
+class OwnUsage:
+    """This process's GPU bytes on one device as NVML counts them (its context, its allocator
+    pools, its cuMem allocations; not the daemon's weights it maps), NVML opened once for the
+    reader's life. :meth:`open` answers None where NVML cannot be read or does not list this
+    process (another PID namespace)."""
+
+    def __init__(self, nvml: Any, handle: Any) -> None:
+        self._nvml = nvml
+        self._handle = handle
+        self._pid = os.getpid()
+
+    @classmethod
+    def open(cls, uuid: str) -> OwnUsage | None:
+        nvml = _pynvml()
+        if nvml is None:
+            return None
+        try:
+            nvml.nvmlInit()
+            reader = cls(nvml, nvml.nvmlDeviceGetHandleByUUID(uuid))
+            if reader.read() is None:
+                nvml.nvmlShutdown()
+                return None
+        except Exception as exc:
+            log.debug("NVML: %s", exc)
+            return None
+        return reader
+
+    def read(self) -> int | None:
+        try:
+            for proc in self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle):
+                if proc.pid == self._pid:
+                    return None if proc.usedGpuMemory is None else int(proc.usedGpuMemory)
+        except Exception as exc:
+            log.debug("NVML: %s", exc)
+        return None
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._nvml.nvmlShutdown()

@@ -127,6 +127,8 @@ class _Standby:
         needed = self._sleep()
         ended = self._wait_released(spot)
         if ended is ParkState.cancelled:
+            if not self.engine.alive():  # the daemon cancels a standby whose engine died
+                return Outcome.engine_ended
             log.info("weight-cache standby: cancelled by an operator: stopping the engine")
             return Outcome.cancelled
         if ended is None:

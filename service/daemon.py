@@ -283,6 +283,10 @@ class Daemon:
             LeaseEnd.reaped: self.metrics.leases_reaped,
         }
         counters[how].inc()
+        if lease.standby_group is not None and how is LeaseEnd.reaped:
+            self.parking.standby_engine_gone(
+                lease.standby_group, lease.holder_uid, self.leases.now()
+            )
         if lease.serving:  # a sleeping standby's lease served nobody: no one replaces it
             self.parking.lease_ended(
                 lease.model,

@@ -18,6 +18,7 @@ from weight_cache_cli.keeper import keeper
 from weight_cache_cli.openapi import openapi
 from weight_cache_cli.parking import parking
 from weight_cache_cli.serve import SettingsError, serve
+from weight_cache_cli.sizing import sizing
 from weight_cache_cli.standby import standby
 from weight_cache_cli.status import status
 
@@ -75,6 +76,7 @@ for command in (
     attach_command,
     parking,
     standby,
+    sizing,
     openapi,
     demo_checkpoint,
 ):

@@ -279,3 +279,51 @@ def after_warm_up(callback: Callable[[], None]) -> None:
 
     setattr(compile_or_warm_up_model, _WRAPPED, current)
     Worker.compile_or_warm_up_model = compile_or_warm_up_model
+
+
+# --- what vLLM's memory profiling sees ------------------------------------------------------------
+
+
+def _device_index(device: Any) -> int:
+    if device is None:
+        return int(torch.cuda.current_device())
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    return int(device.index) if device.index is not None else int(torch.cuda.current_device())
+
+
+def see_only_own_memory(
+    own_used: Callable[[], int | None], device_index: int
+) -> Callable[[], None]:
+    """Until the returned function is called, ``torch.accelerator.get_memory_info`` answers
+    for this process alone on ``device_index``: the free memory of this moment less what this
+    process has taken since (``own_used``: its bytes as the driver counts them). vLLM sizes the
+    KV cache from that call: ``MemorySnapshot.measure`` (``vllm.utils.mem_utils``; the worker's
+    init snapshot, and ``memory_profiling`` before and after its profile run, whose difference
+    ``determine_available_memory`` takes as the engine's own consumption) and
+    ``GPUModelRunner.profile_cudagraph_memory``. Read globally, another engine starting on the
+    same GPU meanwhile (its CUDA context, its KV cache) counts as this one's and can leave it a
+    negative KV cache; one that ends meanwhile (its memory freed) fails vLLM's check that free
+    memory did not grow. Where ``own_used`` cannot say, vLLM's reading stands."""
+    original = torch.accelerator.get_memory_info
+    baseline_free, total = original(device_index)
+    baseline_own = own_used()
+    if baseline_own is None:
+        return lambda: None
+
+    def private(device: Any = None) -> tuple[int, int]:
+        if _device_index(device) != device_index:
+            return original(device)
+        own = own_used()
+        if own is None:
+            return original(device)
+        return max(0, baseline_free - (own - baseline_own)), total
+
+    torch.accelerator.get_memory_info = private
+
+    def restore() -> None:
+        if torch.accelerator.get_memory_info is private:
+            torch.accelerator.get_memory_info = original
+
+    return restore

@@ -45,7 +45,7 @@ from engine_client.vllm.engine_start import (
 )
 from engine_client.vllm.internals import forget_build_on_error, freeze_startup_heap
 from engine_client.vllm.load_steps import LOAD_STEPS, Load
-from engine_client.vllm.startup import before_memory_snapshot
+from engine_client.vllm.startup import before_memory_snapshot, fit_standby_budget
 from engine_client.vllm.steps import run_steps
 from protocol.errors import VerificationError, WeightCacheError
 from protocol.reasons import Reason
@@ -126,7 +126,9 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
             lambda: daemon_model(config, self.options, vllm_config, model_config).id,
         ):
             return 0
-        return self.daemon_rank_bytes(vllm_config, config)
+        external = self.daemon_rank_bytes(vllm_config, config)
+        fit_standby_budget(vllm_config.cache_config, external, config.standby_group is not None)
+        return external
 
     def daemon_rank_bytes(self, vllm_config: Any, config: ClientConfig | None = None) -> int:
         """Weight bytes the daemon holds for this rank (outside the engine's allocator), or 0

@@ -17,24 +17,35 @@ then take its GPU's start-up slot. Where in vLLM's worker this happens, and why
   (``compile_or_warm_up_model``): the slot is given back when the worker's
   ``compile_or_warm_up_model`` returns (or raises), when nothing the engine allocates at
   start-up is left to count against the next one.
+- From the moment the slot is held until the warm-up ends, vLLM's reading of free GPU memory
+  sees this process's own use alone (:func:`.internals.see_only_own_memory`): engines that start,
+  end or wake beside it (their contexts created before they queue for the slot, a killed
+  engine's memory freed, a standby's KV cache allocated) change nothing in its sizing.
+- A warm standby started while another engine holds most of the GPU (``weight-cache standby``
+  sets ``WEIGHT_CACHE_STANDBY_GROUP``) lowers its budget to what is free
+  (:func:`fit_standby_budget`), rather than being refused by ``request_memory``: it takes over
+  with a smaller KV cache.
 - The TP ranks of one engine share a group id, broadcast from rank 0 over vLLM's TP group.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from engine_client.client import ClientConfig
 from engine_client.freed_memory import wait_for_this_gpu
+from engine_client.gpu_room import OwnUsage
 from engine_client.loader_options import LoaderOptions
 from engine_client.parking import ParkingSpot, park_ahead
 from engine_client.startup_slot import take_startup_slot
-from engine_client.vllm.internals import after_warm_up
+from engine_client.vllm.internals import after_warm_up, see_only_own_memory
 from protocol.devices import cuda_uuid, host_id
 from protocol.errors import WeightCacheError
 
@@ -92,4 +103,62 @@ def before_memory_snapshot(
         )
         if slot is not None:
             after_warm_up(slot.give_back)
+    if torch.cuda.is_available():
+        see_own_memory_while_sizing()
     return ended
+
+
+def see_own_memory_while_sizing() -> None:
+    """vLLM's readings of free memory see this process's own use alone until its warm-up ends
+    (:func:`.internals.see_only_own_memory`), where NVML counts this process."""
+    index = torch.cuda.current_device()
+    usage = OwnUsage.open(cuda_uuid(index))
+    if usage is None:
+        log.warning(
+            "weight-cache: NVML does not list this process here: vLLM sizes this engine's KV "
+            "cache from the whole GPU's free memory, which engines starting or ending beside "
+            "it change"
+        )
+        return
+    restore = see_only_own_memory(usage.read, index)
+
+    def done() -> None:
+        restore()
+        usage.close()
+
+    after_warm_up(done)
+
+
+# Kept free beside a standby fitted into what is left of a GPU: allocator rounding, cuBLAS and
+# NCCL workspaces vLLM does not count.
+STANDBY_SPARE_BYTES = 1 << 30
+
+
+def fit_standby_budget(cache_config: Any, external_bytes: int, standby: bool) -> None:
+    """A warm standby started while another engine holds the GPU: if its
+    ``gpu_memory_utilization`` asks for more than is free (vLLM's ``request_memory`` would
+    refuse it), lower it to what is free, so the standby starts, sizes its KV cache in that
+    room and sleeps; it takes over with that smaller KV cache. Nothing changes for an engine
+    that fits, one with ``--kv-cache-memory``, or one that is no standby."""
+    if not standby or not torch.cuda.is_available() or cache_config.kv_cache_memory_bytes:
+        return
+    free, total = (int(x) for x in torch.cuda.mem_get_info())
+    utilization = float(cache_config.gpu_memory_utilization)
+    budget = math.ceil(total * utilization) - external_bytes
+    if free >= budget:
+        return
+    room = free - STANDBY_SPARE_BYTES
+    if room <= 0:
+        return  # nothing to fit into: vLLM's own refusal says so
+    fitted = math.floor((room + external_bytes) / total * 1e4) / 1e4
+    cache_config.gpu_memory_utilization = fitted
+    log.warning(
+        "weight-cache standby: %.2f GiB free beside the engines on this GPU, less than this "
+        "engine's budget of %.2f GiB: --gpu-memory-utilization %.4f lowered to %.4f, so it "
+        "starts with a smaller KV cache and takes over with it (start the standby before the "
+        "serving engine to give it a full one)",
+        free / 2**30,
+        budget / 2**30,
+        utilization,
+        fitted,
+    )

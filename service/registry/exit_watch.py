@@ -84,8 +84,7 @@ class ExitWatch:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                ended = self._refresh()
-                ended |= self._wait()
+                ended = self._refresh() or self._wait()
                 if ended and not self._stop.is_set():
                     self.on_exit()
             except Exception:  # the periodic sweep still runs; never let this thread die

@@ -219,6 +219,19 @@ class ParkingLot:
                     self._changed(member.id)
             return members
 
+    def standby_engine_gone(self, group: str, holder_uid: int | None, now: float) -> None:
+        """A sleeping standby's engine died (a lease of its group was reaped): it can take over
+        no more, so it is cancelled, not released when the serving engine ends."""
+        with self.lock:
+            members = self._members(group)
+            if not members or not members[0].standby or members[0].holder_uid != holder_uid:
+                return
+            for member in members:
+                if member.state is ParkState.parked:
+                    member.state = ParkState.cancelled
+                    member.expires_at = now + self.grace_s
+                    self._changed(member.id)
+
     # --- engines that end --------------------------------------------------------------------
 
     def lease_ended(

@@ -22,14 +22,23 @@ CADDYFILE = REPO / "docker" / "Caddyfile"
 
 
 def proxy_environment(
-    port: int, upstreams: Sequence[int], host: str = "127.0.0.1"
+    port: int, upstreams: Sequence[int], host: str = "127.0.0.1", standby: bool = False
 ) -> dict[str, str]:
     """The placeholders ``docker/Caddyfile`` reads: where the proxy listens and the engines'
-    addresses (``{$ENGINE_UPSTREAMS}`` expands to several upstreams, separated by spaces)."""
-    return {
+    addresses (``{$ENGINE_UPSTREAMS}`` expands to several upstreams, separated by spaces); with
+    ``standby``, engines count as healthy only while awake (``/is_sleeping`` answers false),
+    asked every 100 ms."""
+    env = {
         "PROXY_PORT": str(port),
         "ENGINE_UPSTREAMS": " ".join(f"{host}:{p}" for p in upstreams),
     }
+    if standby:
+        env.update(
+            PROXY_HEALTH_URI="/is_sleeping",
+            PROXY_HEALTH_BODY="false",
+            PROXY_HEALTH_INTERVAL="100ms",
+        )
+    return env
 
 
 def find_caddy(given: str | None = None) -> Path | None:
@@ -69,12 +78,13 @@ class CaddyProxy:
         upstreams: Sequence[int],
         work: Path,
         log_path: Path,
+        standby: bool = False,
     ) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         work.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, XDG_CONFIG_HOME=str(work), XDG_DATA_HOME=str(work), HOME=str(work))
-        env.update(proxy_environment(port, upstreams))
+        env.update(proxy_environment(port, upstreams, standby=standby))
         argv = [str(caddy), "run", "--config", str(caddyfile), "--adapter", "caddyfile"]
         self.process = LoggedProcess("caddy", argv, log_path, env=env)
 

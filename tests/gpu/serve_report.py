@@ -20,6 +20,9 @@ GIB = 1 << 30
 PARKED_GOAL = 0.25  # parked restart at most this fraction of the default loader's restart
 ADOPT_GOAL_S = 1.0  # a new daemon finds its models ready within this, counted from /health
 DAEMON_OVERHEAD = GIB  # the daemon's GPU memory beyond its resident weights, at most
+WARM_GOAL_S = 1.5  # kill -9 of the serving engine -> first token from the warm standby, median
+ASLEEP_GOAL = 2 * GIB  # a sleeping standby's GPU memory, at most
+FILL_GOAL = 0.9  # engines sized by the shared rule: KV caches and the weights, of the GPU
 
 
 def _median(values: Iterable[float | None]) -> float | None:
@@ -167,11 +170,73 @@ def evaluate(summary: dict[str, Any]) -> list[dict[str, Any]]:
         checks += _stream_checks("hot standby", scenarios["standby"].get("account"))
     if "daemon_restart" in scenarios:
         checks += _daemon_checks(scenarios["daemon_restart"])
-    if "crowd" in scenarios:
-        crowd = scenarios["crowd"]
-        what = f"crowd: every engine started at once answered ({crowd.get('answered', 0)} of "
+    for name in ("crowd", "crowd_serving"):
+        if name in scenarios:
+            checks += _crowd_checks(name, scenarios[name])
+    for name in ("warm", "tight"):
+        if name in scenarios:
+            checks += _warm_checks(name, scenarios[name])
+    return checks
+
+
+def _crowd_checks(name: str, crowd: dict[str, Any]) -> list[dict[str, Any]]:
+    checks = []
+    runs = crowd.get("runs") or []
+    if not runs:
+        return [_check(f"{name}: ran", False)]
+    for index, run in enumerate(runs, 1):
+        what = (
+            f"{name} run {index}: every engine started at once answered "
+            f"({run.get('answered', 0)} of {crowd['engines']})"
+        )
+        checks.append(_check(what, run.get("answered") == crowd["engines"]))
+        share = run.get("kv_and_weights_share")
+        if crowd.get("rule") and share is not None:
+            checks.append(
+                _check(
+                    f"{name} run {index}: KV caches and the weights once fill at least "
+                    f"{FILL_GOAL:.0%} of the GPU ({share:.1%})",
+                    share >= FILL_GOAL,
+                )
+            )
+    return checks
+
+
+def held(memory: dict[str, int] | None) -> int:
+    return sum((memory or {}).values())
+
+
+def _warm_checks(name: str, warm: dict[str, Any]) -> list[dict[str, Any]]:
+    takeovers = warm.get("takeovers") or []
+    times = [t.get("kill_to_first_token_s") for t in takeovers]
+    checks = [
+        _check(
+            f"{name}: every takeover served ({sum(t is not None for t in times)} of "
+            f"{len(takeovers)})",
+            bool(takeovers) and all(t is not None for t in times),
+        ),
+        _check(
+            f"{name}: tokens equal the default loader's after every takeover",
+            bool(takeovers) and all(t.get("tokens_equal") for t in takeovers),
+        ),
+    ]
+    checks += _stream_checks(name, warm.get("account"))
+    asleep = [held(t.get("asleep_memory")) for t in takeovers]
+    checks.append(
+        _check(
+            f"{name}: a sleeping standby holds at most 2 GiB "
+            f"({', '.join(_gib(b) for b in asleep)})",
+            bool(asleep) and all(0 < b <= ASLEEP_GOAL for b in asleep),
+        )
+    )
+    median = _median(times)
+    if name == "warm":
         checks.append(
-            _check(what + f"{crowd['engines']})", crowd.get("answered") == crowd["engines"])
+            _check(
+                f"warm: kill -9 -> first token through the proxy <= {WARM_GOAL_S} s, median of "
+                f"{len(times)} ({median} s)",
+                median is not None and len(times) >= 3 and median <= WARM_GOAL_S,
+            )
         )
     return checks
 
@@ -297,6 +362,58 @@ def daemon_table(restart: dict[str, Any]) -> list[str]:
     ]
 
 
+def crowd_table(name: str, crowd: dict[str, Any]) -> list[str]:
+    beside = " while another engine serves" if crowd.get("beside") else ""
+    out = [f"## {crowd['engines']} engines started at once{beside}", ""]
+    out += [
+        "| run | utilization each | answered | to /health | KV cache each | KV caches + "
+        "weights, of the GPU | GPU memory per process |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for index, run in enumerate(crowd.get("runs") or [], 1):
+        healths = ", ".join(_s(t) for t in run.get("to_health_s", []))
+        kv = ", ".join("-" if k is None else f"{k:.2f} GiB" for k in run.get("kv_cache_gib", []))
+        share = run.get("kv_and_weights_share")
+        out.append(
+            f"| {index} | {run.get('utilization')} | {run.get('answered', 0)} of "
+            f"{crowd['engines']} | {healths} | {kv} | "
+            f"{'-' if share is None else f'{share:.1%}'} | {memory_cell(run.get('memory'))} |"
+        )
+    return [*out, ""]
+
+
+def warm_table(name: str, warm: dict[str, Any]) -> list[str]:
+    title = "Warm standby" if name == "warm" else "Warm standby, memory tight"
+    utilization = warm.get("utilization")
+    out = [f"## {title}" + (f" (every engine at {utilization})" if utilization else ""), ""]
+    out += [
+        "| killed -> woken | kill -> first token | released after kill | awake after kill "
+        "(memory wait, wake) | direct answer | standby asleep | KV cache (killed, woken) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for t in warm.get("takeovers") or []:
+        kv = t.get("kv_cache_gib") or {}
+        out.append(
+            f"| {t['killed']} -> {t['woken']} | {_s3(t.get('kill_to_first_token_s'))} | "
+            f"{_s3(t.get('released_after_kill_s'))} | {_s3(t.get('awake_after_kill_s'))} "
+            f"({_s3(t.get('room_wait_s'))}, {_s3(t.get('wake_s'))}) | "
+            f"{_s3(t.get('direct_answer_s'))} | {_gib(held(t.get('asleep_memory')))} | "
+            f"{', '.join(f'{n} {v} GiB' for n, v in kv.items())} |"
+        )
+    account = warm.get("account") or {}
+    out += [
+        "",
+        f"Requests through the proxy: {account.get('requests', '-')}, failed "
+        f"{account.get('failed', '-')}.",
+        "",
+    ]
+    return out
+
+
+def _s3(value: float | str | None) -> str:
+    return "-" if value is None else f"{float(value):.3f} s"
+
+
 def render(summary: dict[str, Any]) -> str:
     """The markdown the proof writes beside its summary."""
     out = ["# `vllm serve` restarts with and without weight-cache", ""]
@@ -315,17 +432,12 @@ def render(summary: dict[str, Any]) -> str:
     if "daemon_restart" in summary.get("scenarios", {}):
         out += ["## The daemon killed and started again under a serving engine", ""]
         out += [*daemon_table(summary["scenarios"]["daemon_restart"]), ""]
-    if "crowd" in summary.get("scenarios", {}):
-        crowd = summary["scenarios"]["crowd"]
-        healths = ", ".join(_s(t) for t in crowd.get("to_health_s", []))
-        out += [
-            f"## {crowd['engines']} engines started at once, "
-            f"{crowd['utilization']} of the GPU each",
-            "",
-            f"Answered: {crowd.get('answered', 0)} of {crowd['engines']}; to /health: {healths}; "
-            f"GPU memory: {memory_cell(crowd.get('memory'))}.",
-            "",
-        ]
+    for name in ("crowd", "crowd_serving"):
+        if name in summary.get("scenarios", {}):
+            out += crowd_table(name, summary["scenarios"][name])
+    for name in ("warm", "tight"):
+        if name in summary.get("scenarios", {}):
+            out += warm_table(name, summary["scenarios"][name])
     checks = summary.get("checks", [])
     failed = [c for c in checks if not c["ok"]]
     out += [f"## Checks: {len(checks) - len(failed)} passed, {len(failed)} failed", ""]

@@ -376,3 +376,70 @@ def test_the_load_window_collects_and_the_freeze_spares_the_heap() -> None:
         assert not any(o is alive for o in gc.get_objects())
     finally:
         gc.unfreeze()
+
+
+def _calls_in(function: Callable[..., Any]) -> set[str]:
+    """The dotted names ``function`` calls (``torch.accelerator.get_memory_info``, ...)."""
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    return {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+
+
+def test_vllm_sizes_the_kv_cache_from_the_memory_reading_the_view_replaces() -> None:
+    from vllm.utils.mem_utils import MemorySnapshot, memory_profiling
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    reading = "torch.accelerator.get_memory_info"
+    assert reading in _calls_in(MemorySnapshot.measure)
+    assert reading in _calls_in(GPUModelRunner.profile_cudagraph_memory)
+    source = inspect_source(memory_profiling)
+    # what the engine takes for its own consumption: the fall of free memory since the init
+    # snapshot, whoever made it
+    assert "result.before_create.free_memory - result.after_profile.free_memory" in source
+
+
+def inspect_source(function: Callable[..., Any]) -> str:
+    import inspect
+
+    return inspect.getsource(function)
+
+
+def test_the_view_sees_this_process_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process's allocation or release (the GPU's free memory moving) changes nothing;
+    this process's own growth does, byte for byte; the reading is vLLM's again after."""
+    from engine_client.vllm.internals import see_only_own_memory
+
+    gib = 1 << 30
+    gpu = {"free": 60 * gib, "own": 2 * gib}
+
+    def reading(device: Any = None) -> tuple[int, int]:
+        return gpu["free"], 80 * gib
+
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", reading)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    restore = see_only_own_memory(lambda: gpu["own"], 0)
+    gpu["free"] -= 5 * gib  # another engine's context and KV cache
+    assert torch.accelerator.get_memory_info(0) == (60 * gib, 80 * gib)
+    gpu["free"] -= 3 * gib  # this engine's own profile run...
+    gpu["own"] += 3 * gib
+    assert torch.accelerator.get_memory_info("cuda:0") == (57 * gib, 80 * gib)
+    gpu["free"] += 20 * gib  # ...while a killed engine's memory is freed
+    assert torch.accelerator.get_memory_info() == (57 * gib, 80 * gib)
+    assert torch.accelerator.get_memory_info(1) == (gpu["free"], 80 * gib)  # another device
+    restore()
+    assert torch.accelerator.get_memory_info(0) == (gpu["free"], 80 * gib)
+
+
+def test_without_a_reading_of_its_own_the_view_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine_client.vllm.internals import see_only_own_memory
+
+    def reading(device: Any = None) -> tuple[int, int]:
+        return 1, 2
+
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", reading)
+    see_only_own_memory(lambda: None, 0)()
+    assert torch.accelerator.get_memory_info is reading

@@ -72,3 +72,26 @@ def test_status_finds_the_daemon_from_its_own_variables(daemon_process) -> None:
     out = status(str(free_port()))
     assert out.returncode == 1 and "[daemon_unavailable]" in out.stderr
     assert "--url / --uds (or WEIGHT_CACHE_URL" in out.stderr  # the CLI's own advice
+
+
+def test_sizing_shares_the_gpu_out(daemon_process) -> None:
+    from engine_client.sizing import shared_utilization
+
+    def sizing(engines: int) -> dict[str, int | float]:
+        out = subprocess.run(
+            [*CLI, "sizing", "--url", daemon_process.url, "--engines", str(engines), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        answer: dict[str, int | float] = json.loads(out.stdout)
+        return answer
+
+    one, four = sizing(1), sizing(4)
+    assert one["weight_bytes"] > 0 and one["daemon_bytes"] >= one["weight_bytes"]
+    assert four["gpu_memory_utilization"] < one["gpu_memory_utilization"]
+    expected = shared_utilization(
+        int(four["device_total_bytes"]), int(four["daemon_bytes"]), int(four["weight_bytes"]), 4
+    )
+    assert four["gpu_memory_utilization"] == expected.utilization
