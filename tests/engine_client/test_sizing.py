@@ -25,6 +25,6 @@ def test_the_engines_give_the_gpu_away_with_the_weights_counted_once(engines: in
 
 def test_engines_that_cannot_fit_are_refused() -> None:
     with pytest.raises(ValueError, match="do not fit"):
-        shared_utilization(16 * GIB, 9 * GIB, 8 * GIB, 8)
+        shared_utilization(10 * GIB, 9 * GIB, 8 * GIB, 8)
     with pytest.raises(ValueError):
         shared_utilization(H100, GIB, GIB, 0)
