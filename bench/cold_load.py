@@ -38,7 +38,8 @@ from bench.measure import cpu_seconds, log, sync, timed
 from bench.plain_load import plain_process, plain_read, same_bytes
 from bench.vllm_default_load import vllm_load
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import plan_model
+from modelopt_fp8.processing.plan import plan_model
+from modelopt_fp8.schemes import demo_schemes
 from service.demo import SHAPES, write_demo_checkpoint
 
 
@@ -55,7 +56,7 @@ def checkpoint(directory: Path, shape: str, scheme: str) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES))
-    parser.add_argument("--scheme", default="fp8", choices=["fp8", "fp8-pc-pt"])
+    parser.add_argument("--scheme", default="fp8", choices=sorted(demo_schemes()))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dir", type=Path, default=CACHE, help="where demo checkpoints live")
     parser.add_argument("--repeats", type=int, default=3, help="daemon loads after the first")

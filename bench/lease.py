@@ -30,6 +30,7 @@ import httpx
 
 from bench.common import CACHE, demo_checkpoint, percentile, shm_scratch
 from engine_client.client import AsyncDaemonClient, ClientConfig
+from modelopt_fp8.schemes import demo_schemes
 from protocol.errors import WeightCacheError
 from tests.daemon_process import start_daemon
 
@@ -150,7 +151,7 @@ def main() -> None:
     parser.add_argument(
         "--load-shape", default="llama-8b", help="model loaded while /health is polled ('' to skip)"
     )
-    parser.add_argument("--load-scheme", default="fp8", choices=["fp8", "fp8-pc-pt"])
+    parser.add_argument("--load-scheme", default="fp8", choices=sorted(demo_schemes()))
     parser.add_argument("--device", default="cpu", help="the daemon's --device")
     parser.add_argument("--only-load", action="store_true", help="skip the lease round trips")
     parser.add_argument("--json", type=Path)

@@ -20,8 +20,8 @@ import xxhash
 
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.checkpoint.opened import PathPolicy
-from modelopt_fp8.processing import ModelPlan, execute_plan, plan_model
-from modelopt_fp8.processing.execute import StorageFor
+from modelopt_fp8.processing.execute import StorageFor, execute_plan
+from modelopt_fp8.processing.plan import ModelPlan, plan_model
 from modelopt_fp8.processing.pool import shared_pool
 from modelopt_fp8.processing.rows import FileRange
 from protocol.devices import Placement

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import cuda_fill, plan_model, process_checkpoint
+from modelopt_fp8.processing import cuda_fill
+from modelopt_fp8.processing.execute import process_checkpoint
+from modelopt_fp8.processing.plan import plan_model
 from protocol.checksum import storage_checksum
 from protocol.devices import Placement
 from protocol.schemas.manifest import DeviceKind

@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import plan_model, process_checkpoint
+from modelopt_fp8.processing.execute import process_checkpoint
+from modelopt_fp8.processing.plan import plan_model
 from protocol.checksum import storage_checksum
 from tests.daemon_process import DaemonProcess, lease_body, start_daemon
 from tests.waiting import wait_for

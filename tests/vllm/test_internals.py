@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import plan_model
+from modelopt_fp8.processing.plan import plan_model
 from protocol.schemas.layout import CarriedKind
 from tests.conftest import FIXTURES
 from tests.daemon_process import free_port

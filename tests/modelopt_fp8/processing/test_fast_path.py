@@ -1,6 +1,6 @@
 """The load path (preadv into place, chunked checks, code maps, checksums, shared pool) gives
-byte for byte what the reference path gives (``tests/reference_processing.py``: today's
-safetensors read, copy, requantize, pad, layer by layer), for ordinary loads and for the
+byte for byte what the plain path gives (``tests/reference_processing.py``: whole tensors
+read, copied, requantized and padded in torch, layer by layer), for ordinary loads and for the
 daemon's shared-memory arenas, on every fixture checkpoint at TP 1, 2 and 4."""
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from hypothesis import given, settings
 
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.processing import fill as fill_module
-from modelopt_fp8.processing import plan_model, process_checkpoint
-from modelopt_fp8.processing.execute import plan_jobs, requantize_maps
+from modelopt_fp8.processing.execute import plan_jobs, process_checkpoint
 from modelopt_fp8.processing.fill import run_jobs
 from modelopt_fp8.processing.fp8 import FP8_DTYPE, CodeMap, requantize_lut
 from modelopt_fp8.processing.integrity import any_non_finite, has_non_finite
-from modelopt_fp8.processing.plan import ModelPlan
+from modelopt_fp8.processing.plan import ModelPlan, plan_model
 from modelopt_fp8.processing.pool import shared_pool
 from modelopt_fp8.processing.rows import RowFill
 from modelopt_fp8.processing.source import SourceFiles, read_into
+from modelopt_fp8.schemes.fp8 import requantize_maps
 from protocol.checksum import storage_checksum
 from protocol.devices import Placement
 from protocol.errors import CorruptFileError

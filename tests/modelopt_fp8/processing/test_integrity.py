@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import plan_model, process_checkpoint
+from modelopt_fp8.processing.execute import process_checkpoint
+from modelopt_fp8.processing.plan import plan_model
 from protocol.errors import CorruptFileError
 from tests.checkpoint_tools import rewrite_tensors
 

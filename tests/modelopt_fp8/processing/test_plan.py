@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import plan_model
+from modelopt_fp8.processing.plan import plan_model
 from protocol.errors import (
     InvalidScaleError,
     MissingTensorError,
@@ -61,7 +61,7 @@ def test_exclusion_keeps_a_layer_unquantized(tiny_fp8: Path, copy_of) -> None:
     with Checkpoint.open(path) as ckpt:
         plan = plan_model(ckpt)
     layout = plan.linears[2].layout
-    assert layout.scheme.value == "unquantized" and layout.kernel.value == "none"
+    assert layout.scheme == "unquantized" and layout.kernel.value == "none"
     assert plan.linears[2].weight.shape == (168, 64)  # fused [N, K], not transposed or padded
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import plan_model, process_checkpoint
+from modelopt_fp8.processing.execute import process_checkpoint
+from modelopt_fp8.processing.plan import plan_model
 from protocol.schemas.leases import LeaseGrant
 from protocol.schemas.manifest import ShmHandle
 from protocol.shm import map_read_only
