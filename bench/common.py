@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 import time
@@ -10,11 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from protocol.client_settings import BenchSettings
 from service.demo import write_demo_checkpoint
 
 T = TypeVar("T")
 
-CACHE = Path(os.environ.get("WEIGHT_CACHE_BENCH_DIR", Path.home() / ".cache/weight-cache/bench"))
+CACHE = BenchSettings().bench_dir
 
 
 def demo_checkpoint(shape: str, scheme: str = "fp8") -> Path:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from engine_client.answers import (
     TRANSPORT_ERRORS,
@@ -27,6 +28,7 @@ from engine_client.answers import (
     raise_for_problem,
 )
 from engine_client.layout_cache import LAYOUTS, LayoutKey
+from protocol.client_settings import ClientSettings
 from protocol.errors import DaemonUnavailableError, WeightCacheError
 from protocol.schemas.health import Health, Readiness
 from protocol.schemas.inventory import Inventory
@@ -34,47 +36,41 @@ from protocol.schemas.layout import Kernel, WeightFormat
 from protocol.schemas.leases import LeaseGrant, LeaseInfo, LeaseRequest
 from protocol.schemas.models import ModelInfo
 from protocol.tokens import resolve_token
-from protocol.version import DEFAULT_PORT
 
-DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
+DEFAULT_URL = ClientSettings.model_construct().daemon_url()  # the daemon's defaults
+DEFAULT_TIMEOUT_S = 10.0  # seconds a request may take
 T = TypeVar("T", bound=BaseModel)
-
-
-def daemon_url(environ: Mapping[str, str]) -> str:
-    """The URL of the daemon the ``WEIGHT_CACHE_*`` variables describe: ``WEIGHT_CACHE_URL``,
-    else the host and port the daemon binds (a wildcard bind is reached on loopback)."""
-    if environ.get("WEIGHT_CACHE_URL"):
-        return environ["WEIGHT_CACHE_URL"]
-    host = environ.get("WEIGHT_CACHE_HOST") or "127.0.0.1"
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{environ.get('WEIGHT_CACHE_PORT') or DEFAULT_PORT}"
 
 
 @dataclass(frozen=True)
 class ClientConfig:
-    """Where the daemon is and how to talk to it (``WEIGHT_CACHE_URL``/``_UDS``/``_TOKEN``)."""
+    """Where the daemon is and how to talk to it, as a client has resolved it."""
 
     url: str = DEFAULT_URL
     uds: str | None = None
     token: str | None = None
-    timeout_s: float = 10.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     retries: int = 2
     retry_backoff_s: float = 0.1
     cache_layouts: bool = True  # send known_layout for layouts this process already holds
     handle_socket: str | None = None  # the daemon's handle socket, if not where grants say
 
     @classmethod
-    def from_env(cls, token_file: str | None = None, **overrides: Any) -> ClientConfig:
-        """The environment under the ``overrides`` given (None: not given). The daemon's own
-        variables say where it is (``WEIGHT_CACHE_UDS``, else ``WEIGHT_CACHE_URL``, else
-        ``WEIGHT_CACHE_HOST``/``_PORT``); a ``url`` given explicitly beats an inherited socket.
-        The token follows :func:`protocol.tokens.resolve_token`."""
+    def from_env(cls, token_file: str | Path | None = None, **overrides: Any) -> ClientConfig:
+        """The environment (:class:`~protocol.client_settings.ClientSettings`) under the
+        ``overrides`` given (None: not given): the daemon's socket, else its URL, else the host
+        and port it binds; a ``url`` given explicitly beats an inherited socket. The token
+        follows :func:`protocol.tokens.resolve_token`."""
         given = {k: v for k, v in overrides.items() if v is not None}
-        values: dict[str, Any] = {"url": daemon_url(os.environ)}
+        try:
+            env = ClientSettings()
+        except ValidationError as exc:
+            raise DaemonUnavailableError(
+                f"the environment does not say where the daemon is: {exc}"
+            ) from exc
+        values: dict[str, Any] = {"url": env.daemon_url()}
         if "url" not in given:
-            values["uds"] = os.environ.get("WEIGHT_CACHE_UDS") or None
+            values["uds"] = env.uds
         values.update(given)
         values["token"] = resolve_token(given.get("token"), token_file)
         return cls(**values)
