@@ -23,12 +23,13 @@ from typing import Any
 
 import torch
 
-from bench.common import CACHE, demo_checkpoint, median_seconds, percentile, warm_page_cache
+from bench.common import CACHE, demo_checkpoint, median_seconds, warm_page_cache
 from engine_client.attach import attach
 from engine_client.checkpoint_read import read_checkpoint
 from engine_client.client import ClientConfig
 from engine_client.verify import Expectations
-from tests.daemon_process import start_daemon
+from harness.daemon_process import start_daemon
+from harness.timing import percentile
 
 
 def device() -> torch.device:

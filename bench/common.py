@@ -43,12 +43,6 @@ def warm_page_cache(path: Path) -> int:
     return total
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The ``q`` quantile of ``values`` (nearest rank, no interpolation)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def median_seconds(
     fn: Callable[[], T], repeats: int, dispose: Callable[[T], object] | None = None
 ) -> tuple[float, list[float]]:

@@ -27,9 +27,9 @@ import httpx
 from bench import hostile_files, hostile_front, hostile_leases
 from bench.common import CACHE, demo_checkpoint
 from bench.hostile_tools import Case, Target
-from tests.daemon_process import start_daemon
-from tests.hostile.memory import SLACK_BYTES
-from tests.hostile.probe import HealthProbe
+from harness.daemon_process import start_daemon
+from harness.hostile.memory import SLACK_BYTES
+from harness.hostile.probe import HealthProbe
 
 
 def idle(target: Target, work: Path) -> tuple[int, int, str]:

@@ -28,11 +28,12 @@ from typing import Any
 
 import httpx
 
-from bench.common import CACHE, demo_checkpoint, percentile, shm_scratch
+from bench.common import CACHE, demo_checkpoint, shm_scratch
 from engine_client.client import AsyncDaemonClient, ClientConfig
+from harness.daemon_process import start_daemon
+from harness.timing import percentile
 from modelopt_fp8.schemes import demo_schemes
 from protocol.errors import WeightCacheError
-from tests.daemon_process import start_daemon
 
 
 async def lease_round_trips(

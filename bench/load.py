@@ -12,9 +12,10 @@ import json
 import statistics
 from pathlib import Path
 
-from bench.common import CACHE, demo_checkpoint, percentile
+from bench.common import CACHE, demo_checkpoint
 from bench.lease import concurrent_round_trips
-from tests.daemon_process import start_daemon
+from harness.daemon_process import start_daemon
+from harness.timing import percentile
 
 
 def main() -> None:

@@ -68,7 +68,7 @@ def copy_of(tmp_path: Path):
 @pytest.fixture
 def daemon_process(tmp_path: Path, tiny_fp8: Path):
     """A real daemon process serving the tiny FP8 demo checkpoint as model ``tiny``."""
-    from tests.daemon_process import start_daemon
+    from harness.daemon_process import start_daemon
 
     daemon = start_daemon(tmp_path, [tiny_fp8], "--model-id", "tiny")
     yield daemon

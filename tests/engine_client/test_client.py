@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from engine_client.client import AsyncDaemonClient, ClientConfig, DaemonClient
+from harness.daemon_process import free_port, start_daemon
+from harness.waiting import wait_for
 from protocol.errors import (
     DaemonUnavailableError,
     LayoutMismatchError,
@@ -17,8 +19,6 @@ from protocol.errors import (
     UnauthorizedError,
     VerificationError,
 )
-from tests.daemon_process import free_port, start_daemon
-from tests.waiting import wait_for
 
 
 class FlakyServer(threading.Thread):

@@ -27,6 +27,7 @@ from engine_client.fallback import (
     typed_failures,
 )
 from engine_client.verify import Expectations
+from harness.daemon_process import DaemonProcess, lease_body
 from protocol.errors import (
     ArenaUnavailableError,
     AttachError,
@@ -50,7 +51,6 @@ from protocol.errors import (
 from protocol.reasons import Reason
 from protocol.schemas.manifest import ArenaDescriptor, ShmHandle
 from protocol.schemas.problem import Problem
-from tests.daemon_process import DaemonProcess, lease_body
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[2]

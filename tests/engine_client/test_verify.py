@@ -13,13 +13,13 @@ import torch
 
 from engine_client.client import ClientConfig, DaemonClient
 from engine_client.verify import Expectations, verify_checksums, verify_grant
+from harness.daemon_process import start_daemon
 from modelopt_fp8.checkpoint import Fingerprint, IdentityTier
 from modelopt_fp8.checkpoint.quant_config import QuantConfig
 from protocol.errors import VerificationError
 from protocol.reasons import Reason
 from protocol.schemas.leases import LeaseGrant
 from protocol.schemas.manifest import Manifest
-from tests.daemon_process import start_daemon
 
 CPU = torch.device("cpu")
 

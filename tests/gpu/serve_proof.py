@@ -42,7 +42,7 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tests.daemon_process import free_port
+from harness.daemon_process import free_port
 from tests.gpu.caddy_proxy import CADDYFILE, CaddyProxy, find_caddy
 from tests.gpu.completions import RequestStream, StreamAccount
 from tests.gpu.daemon_runner import DaemonCommand, ServedDaemon

@@ -18,12 +18,7 @@ import httpx
 import pytest
 import torch
 
-from protocol.devices import Placement, cuda_uuid
-from protocol.schemas.manifest import DeviceKind
-from service.demo import write_demo_checkpoint
-from service.memory.arena import CudaArena, VmmArena
-from service.registry.loader import LoadRequest, Progress, load_model
-from tests.daemon_process import (
+from harness.daemon_process import (
     ComputingEngine,
     InProcessDaemon,
     free_port,
@@ -32,7 +27,12 @@ from tests.daemon_process import (
     start_daemon,
     stop_keeper,
 )
-from tests.waiting import wait_for
+from harness.waiting import wait_for
+from protocol.devices import Placement, cuda_uuid
+from protocol.schemas.manifest import DeviceKind
+from service.demo import write_demo_checkpoint
+from service.memory.arena import CudaArena, VmmArena
+from service.registry.loader import LoadRequest, Progress, load_model
 
 pytestmark = pytest.mark.gpu
 GIB = 1 << 30

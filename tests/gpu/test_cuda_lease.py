@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.daemon_process import InProcessDaemon, make_settings
 from protocol.checksum import storage_checksum
-from tests.daemon_process import InProcessDaemon, make_settings
 
 pytestmark = pytest.mark.gpu
 

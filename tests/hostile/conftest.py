@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.daemon_process import DaemonProcess, lease_body, start_daemon
-from tests.hostile.sockets import port_of
-from tests.waiting import wait_for
+from harness.daemon_process import DaemonProcess, lease_body, start_daemon
+from harness.hostile.sockets import port_of
+from harness.waiting import wait_for
 
 LIMITS = {
     "WEIGHT_CACHE_MAX_CONNECTIONS": "32",

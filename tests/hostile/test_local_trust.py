@@ -20,10 +20,10 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
+from harness.daemon_process import lease_body, start_daemon
+from harness.hostile.users import NOBODY, UserAgent, needs_root, run_as
+from harness.waiting import wait_for
 from service.memory.shm import arena_dir_path
-from tests.daemon_process import lease_body, start_daemon
-from tests.hostile.users import NOBODY, UserAgent, needs_root, run_as
-from tests.waiting import wait_for
 from weight_cache_cli import cli
 
 

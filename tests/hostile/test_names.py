@@ -11,9 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from harness.hostile.memory import RssBack
+from harness.hostile.probe import HealthProbe
 from tests.hostile.conftest import Hostile
-from tests.hostile.memory import RssBack
-from tests.hostile.probe import HealthProbe
 
 ODD = b"ckpt-\xff\xfe"  # not UTF-8
 

@@ -22,13 +22,13 @@ import pytest
 from click.testing import CliRunner
 from fastapi.testclient import TestClient
 
+from harness.checkpoint_tools import hub_snapshot
+from harness.daemon_process import lease_body, make_settings, start_daemon
+from harness.hostile.users import NOBODY, needs_root
+from harness.waiting import wait_for
 from modelopt_fp8.checkpoint.locate import local_checkpoint
 from service.api.app import create_app
-from tests.checkpoint_tools import hub_snapshot
-from tests.daemon_process import lease_body, make_settings, start_daemon
 from tests.hostile.conftest import Hostile
-from tests.hostile.users import NOBODY, needs_root
-from tests.waiting import wait_for
 from weight_cache_cli import cli
 from weight_cache_cli.serve import build_settings
 

@@ -13,15 +13,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.memory.shm import arena_dir_path
-from tests.daemon_process import (
+from harness.daemon_process import (
     ComputingEngine,
     free_port,
     keeper_status,
     start_daemon,
     stop_keeper,
 )
-from tests.waiting import wait_for
+from harness.waiting import wait_for
+from service.memory.shm import arena_dir_path
 
 
 @pytest.fixture

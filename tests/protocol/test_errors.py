@@ -62,7 +62,7 @@ def test_an_error_takes_a_reason_and_the_wire_carries_its_value() -> None:
 
 
 def test_the_cli_tells_its_user_how_to_pass_a_token(tmp_path: Path, tiny_fp8: Path) -> None:
-    from tests.daemon_process import start_daemon
+    from harness.daemon_process import start_daemon
 
     (tmp_path / "token").write_text("secret-1\n")
     (tmp_path / "token").chmod(0o600)  # the daemon refuses a token file others may read

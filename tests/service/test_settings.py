@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from harness.checkpoint_tools import hub_snapshot
 from modelopt_fp8.checkpoint.locate import locate_checkpoint
 from protocol.errors import CheckpointNotFoundError, error_classes
 from protocol.setting import setting_of
 from service.env import SETTINGS_MODELS, check_environment, env_names, known_variables
 from service.settings import DaemonSettings
-from tests.checkpoint_tools import hub_snapshot
 from weight_cache_cli import cli
 from weight_cache_cli.serve import SettingsError, build_settings
 from weight_cache_cli.settings_table import with_table

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch.multiprocessing.spawn import start_processes
 
+from harness.daemon_process import free_port
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.checkpoint.architecture import PACKED_MODULES, Parallelism, linear_specs
 from modelopt_fp8.processing.plan import plan_model
 from tests.conftest import FIXTURES
-from tests.daemon_process import free_port
 from tests.reference_processing import read_shards
 from tests.vllm.vllm_model import build, configs, vllm_world
 

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from tests.daemon_process import free_port
+from harness.daemon_process import free_port
 
 CLI = [sys.executable, "-m", "weight_cache_cli"]
 

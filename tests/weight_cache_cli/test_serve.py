@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.daemon_process import free_port, start_daemon
-from tests.waiting import wait_for
+from harness.daemon_process import free_port, start_daemon
+from harness.waiting import wait_for
 
 CLI = [sys.executable, "-m", "weight_cache_cli"]
 
@@ -123,7 +123,7 @@ def test_bad_settings_are_one_line_and_status_2(tmp_path: Path) -> None:
 def test_a_repo_id_and_a_relative_path_serve_as_absolute_paths(
     tmp_path: Path, tiny_fp8: Path
 ) -> None:
-    from tests.checkpoint_tools import hub_snapshot
+    from harness.checkpoint_tools import hub_snapshot
 
     snapshot = hub_snapshot(tmp_path / "hf" / "hub", "acme/tiny-fp8")
     for item in tiny_fp8.iterdir():

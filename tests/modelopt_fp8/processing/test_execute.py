@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 
 from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear
+from harness.checkpoint_tools import all_tensors, rewrite_tensors
 from harness.plain_processing import process_layer
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.checkpoint.architecture import linear_specs
@@ -19,7 +20,6 @@ from modelopt_fp8.processing.fp8 import FP8_DTYPE
 from modelopt_fp8.processing.plan import plan_model
 from modelopt_fp8.schemes import LinearScheme, fp8, fp8_pc_pt
 from modelopt_fp8.schemes.base import FusedLayer, LaidOut, ShardScales
-from tests.checkpoint_tools import all_tensors, rewrite_tensors
 from tests.conftest import MODELOPT_EXPORTS
 from tests.vllm_reference import vllm_linear
 

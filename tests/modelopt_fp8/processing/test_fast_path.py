@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+from harness.checkpoint_tools import rewrite_tensors
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.processing import fill as fill_module
 from modelopt_fp8.processing.execute import plan_jobs, process_checkpoint
@@ -34,7 +35,6 @@ from protocol.schemas.manifest import DeviceKind
 from service.demo import write_demo_checkpoint
 from service.memory.shm import ArenaDir
 from service.registry.loader import LoadRequest, Progress, load_model
-from tests.checkpoint_tools import rewrite_tensors
 from tests.conftest import MODELOPT_EXPORTS
 from tests.reference_processing import reference_storages
 

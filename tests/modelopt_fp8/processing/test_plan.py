@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.checkpoint_tools import rewrite_json, rewrite_tensors
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.processing.plan import plan_model
 from protocol.errors import (
@@ -18,7 +19,6 @@ from protocol.errors import (
     TensorShapeError,
     UnsupportedQuantAlgoError,
 )
-from tests.checkpoint_tools import rewrite_json, rewrite_tensors
 
 Q = "model.layers.1.self_attn.q_proj"
 

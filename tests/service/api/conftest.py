@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from harness.daemon_process import lease_body, make_settings
+from harness.waiting import wait_for
 from protocol.schemas.models import ModelState
 from service.api.app import create_app
 from service.daemon import Daemon
 from service.memory.shm import arena_dir_path
-from tests.daemon_process import lease_body, make_settings
-from tests.waiting import wait_for
 
 
 @dataclass

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.waiting import wait_for
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.processing.execute import process_checkpoint
 from modelopt_fp8.processing.plan import plan_model
@@ -18,7 +19,6 @@ from protocol.schemas.leases import LeaseGrant
 from protocol.schemas.manifest import ShmHandle
 from protocol.shm import map_read_only
 from tests.service.api.conftest import Served
-from tests.waiting import wait_for
 
 
 def test_grant_returns_a_complete_manifest(served: Served, tiny_fp8: Path) -> None:

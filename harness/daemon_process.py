@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from harness.waiting import wait_for
 from service.memory.shm import arena_dir_path
-from tests.waiting import wait_for
 
 if TYPE_CHECKING:
     from service.settings import DaemonSettings
@@ -221,7 +221,7 @@ def keeper_status(run_dir: Path) -> Any:
 
 def stop_keeper(run_dir: Path) -> None:
     """SIGTERM the keeper on ``run_dir`` (it lets go of everything) and wait until it is gone."""
-    from tests.waiting import wait_for
+    from harness.waiting import wait_for
 
     status = keeper_status(run_dir)
     if status is None:
@@ -231,11 +231,11 @@ def stop_keeper(run_dir: Path) -> None:
 
 
 class ComputingEngine:
-    """``tests.computing_engine`` in a child process: attached, computing, answering."""
+    """``harness.computing_engine`` in a child process: attached, computing, answering."""
 
     def __init__(self, url: str, model: str, checkpoint: Path, device: str = "cpu") -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.computing_engine", url, model, str(checkpoint), device],
+            [sys.executable, "-m", "harness.computing_engine", url, model, str(checkpoint), device],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
