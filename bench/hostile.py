@@ -30,6 +30,7 @@ from bench.hostile_tools import Case, Target
 from harness.daemon_process import start_daemon
 from harness.hostile.memory import SLACK_BYTES
 from harness.hostile.probe import HealthProbe
+from harness.waiting import poll
 
 
 def idle(target: Target, work: Path) -> tuple[int, int, str]:
@@ -114,9 +115,7 @@ class RssWatch:
         self._done.set()
         self._thread.join()
         slack = SLACK_BYTES / 2**20
-        deadline = time.monotonic() + 30
-        while self.target.rss_mb() > self.before + slack and time.monotonic() < deadline:
-            time.sleep(0.2)
+        poll(lambda: self.target.rss_mb() <= self.before + slack, 30, every=0.2)
         self.after = self.target.rss_mb()
 
 

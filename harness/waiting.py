@@ -1,5 +1,6 @@
-"""Waiting for a condition instead of sleeping: a test states what it waits for and how long it
-may take at most, and goes on as soon as the condition holds. The one place tests poll."""
+"""Waiting for a condition instead of sleeping: a caller states what it waits for and how long it
+may take at most, and goes on as soon as the condition holds. The one place tests, proofs and
+benchmarks poll."""
 
 from __future__ import annotations
 
@@ -8,6 +9,27 @@ from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+
+
+def poll(
+    predicate: Callable[[], T | None],
+    timeout: float,
+    every: float = 0.05,
+    while_: Callable[[], bool] = lambda: True,
+) -> T | None:
+    """Call ``predicate`` every ``every`` seconds until it returns something true, and return
+    that; ``None`` once ``timeout`` seconds have passed or ``while_`` says it is no use waiting
+    any longer (the process that was to answer has ended). For a proof that reports what did
+    not happen; a test asserts with :func:`wait_for`."""
+    deadline = time.monotonic() + timeout
+    while while_():
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(every)
+    return None
 
 
 def wait_for(
@@ -19,11 +41,7 @@ def wait_for(
     """Poll ``predicate`` every ``every`` seconds until it returns something true, and return
     that. Fail the test (``AssertionError``) if it does not within ``timeout`` seconds, saying
     ``what`` was awaited."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{what} not reached in {timeout:g} s")
-        time.sleep(every)
+    value = poll(predicate, timeout, every)
+    if not value:
+        raise AssertionError(f"{what} not reached in {timeout:g} s")
+    return value

@@ -33,6 +33,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from protocol.client_settings import HOST, PORT, TOKEN, TOKEN_FILE, UDS
 from protocol.errors import UnauthorizedError
+from protocol.schemas.tensor_parallel import MAX_TP_SIZE
 from protocol.setting import ENV_PREFIX, setting, setting_of
 from protocol.tokens import choose_token, clean_token, exposed_token_file, read_token_file
 from service.run_dir import default_run_dir
@@ -79,7 +80,7 @@ class DaemonSettings(BaseSettings):
         older=("TP_SIZE",),
         help="Tensor-parallel size of the --model loads",
         ge=1,
-        le=64,
+        le=MAX_TP_SIZE,
     )
     token: SecretStr | None = TOKEN
     token_file: Path | None = TOKEN_FILE

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 DEMO_MODEL_ID = "demo"
 
 EXIT_SETTINGS = 2  # a flag, variable, directory or checkpoint is wrong: fix the command
-EXIT_FAILED = 1  # the port is taken, or a startup model failed to load
+# Any other failure (the port is taken, a startup model failed to load) exits 1, click's status.
 
 
 class SettingsError(click.ClickException):
