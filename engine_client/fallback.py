@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import logging
 from collections.abc import Iterator
 
 from protocol.errors import (
@@ -22,9 +21,10 @@ from protocol.errors import (
     LeaseNotFoundError,
     WeightCacheError,
 )
+from protocol.logsafe import get_logger
 from protocol.reasons import Reason
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 # Fallbacks by reason in this process; Prometheus reads them where its client is installed.
 FALLBACKS: collections.Counter[str] = collections.Counter()  # keys are Reason members

@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from protocol.logsafe import escape_controls
 from protocol.setting import ENV_PREFIX, setting
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -39,15 +40,6 @@ class LogSettings(BaseSettings):
     log_format: str = setting(
         "text", flag="--log-format", help="text, or json (one object per line)"
     )
-
-
-_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
-_ESCAPES.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
-
-
-def escape_controls(text: str) -> str:
-    r"""``text`` with C0/C1 control characters written as escapes (``\n``, ``\x1b``)."""
-    return text.translate(_ESCAPES)
 
 
 class TextFormatter(logging.Formatter):

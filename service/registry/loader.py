@@ -6,7 +6,6 @@ load holds no memory.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import shutil
 import threading
@@ -27,6 +26,7 @@ from modelopt_fp8.processing.rows import FileRange
 from protocol.devices import Placement
 from protocol.dtypes import to_wire
 from protocol.errors import InsufficientMemoryError
+from protocol.logsafe import get_logger
 from protocol.schemas.manifest import (
     CheckpointIdentity,
     DaemonIdentity,
@@ -40,7 +40,7 @@ from service.memory.digest import arena_digest
 from service.memory.layout import pack
 from service.memory.shm import ArenaDir
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class LoadCancelled(Exception):
