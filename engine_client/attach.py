@@ -220,7 +220,12 @@ def attach(
     with DaemonClient(config) as client:
         start = time.perf_counter()
         grant = client.lease(
-            model, expect.tp_rank, expect.tp_size, expect.kernel, expect.format, ttl_s=ttl_s
+            model,
+            tp_rank=expect.tp_rank,
+            tp_size=expect.tp_size,
+            kernel=expect.kernel,
+            format=expect.format,
+            ttl_s=ttl_s,
         )
         timings.lease_ms = (time.perf_counter() - start) * 1e3
         arena: OpenedArena | None = None

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -36,6 +36,9 @@ from protocol.schemas.layout import Kernel, WeightFormat
 from protocol.schemas.leases import LeaseGrant, LeaseInfo, LeaseRequest
 from protocol.schemas.models import ModelInfo
 from protocol.tokens import resolve_token
+
+if TYPE_CHECKING:  # typing.Unpack from Python 3.11; annotations only, never at run time
+    from typing_extensions import Unpack
 
 DEFAULT_URL = ClientSettings.model_construct().daemon_url()  # the daemon's defaults
 DEFAULT_TIMEOUT_S = 10.0  # seconds a request may take
@@ -98,6 +101,17 @@ def _unavailable(config: ClientConfig, exc: Exception) -> DaemonUnavailableError
 _LIMITS = httpx.Limits(max_connections=256, max_keepalive_connections=256)
 
 
+class LeaseTerms(TypedDict, total=False):
+    """What a lease asks for besides the model; unsaid: rank 0 of 1 on the CUTLASS kernel in
+    the default format, for the daemon's default TTL."""
+
+    tp_rank: int
+    tp_size: int
+    kernel: str
+    format: str
+    ttl_s: float | None
+
+
 class _LeaseCall:
     """One lease request: its body (naming the layout this process holds, if any) and how to
     turn the daemon's answer into a grant with its manifest."""
@@ -106,11 +120,11 @@ class _LeaseCall:
         self,
         config: ClientConfig,
         model: str,
-        tp_rank: int,
-        tp_size: int,
-        kernel: str,
-        format: str,
-        ttl_s: float | None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        kernel: str = Kernel.cutlass.value,
+        format: str = WeightFormat.default.value,
+        ttl_s: float | None = None,
     ) -> None:
         self.key: LayoutKey = (config._base_url() + (config.uds or ""), model, tp_rank, tp_size)
         self.named = LAYOUTS.known(self.key) if config.cache_layouts else None
@@ -207,16 +221,8 @@ class _BaseClient:
     def _model(model_id: str) -> _Call[ModelInfo]:
         return _Call("GET", f"/v1/models/{model_id}", lambda r: parse_answer(ModelInfo, r.content))
 
-    def _lease(
-        self,
-        model: str,
-        tp_rank: int,
-        tp_size: int,
-        kernel: str,
-        format: str,
-        ttl_s: float | None,
-    ) -> _Call[LeaseGrant]:
-        lease = _LeaseCall(self.config, model, tp_rank, tp_size, kernel, format, ttl_s)
+    def _lease(self, model: str, **terms: Unpack[LeaseTerms]) -> _Call[LeaseGrant]:
+        lease = _LeaseCall(self.config, model, **terms)
         return _Call("POST", "/v1/leases", lease.grant, idempotent=False, json=lease.body)
 
     @staticmethod
@@ -277,17 +283,9 @@ class DaemonClient(_BaseClient):
     def model(self, model_id: str) -> ModelInfo:
         return self._send(self._model(model_id))
 
-    def lease(
-        self,
-        model: str,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        kernel: str = Kernel.cutlass.value,
-        format: str = WeightFormat.default.value,
-        ttl_s: float | None = None,
-    ) -> LeaseGrant:
+    def lease(self, model: str, **terms: Unpack[LeaseTerms]) -> LeaseGrant:
         """Lease one rank; the returned grant always carries the full manifest."""
-        return self._send(self._lease(model, tp_rank, tp_size, kernel, format, ttl_s))
+        return self._send(self._lease(model, **terms))
 
     def leases(self) -> list[LeaseInfo]:
         return self._send(self._leases())
@@ -348,17 +346,9 @@ class AsyncDaemonClient(_BaseClient):
     async def model(self, model_id: str) -> ModelInfo:
         return await self._send(self._model(model_id))
 
-    async def lease(
-        self,
-        model: str,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        kernel: str = Kernel.cutlass.value,
-        format: str = WeightFormat.default.value,
-        ttl_s: float | None = None,
-    ) -> LeaseGrant:
+    async def lease(self, model: str, **terms: Unpack[LeaseTerms]) -> LeaseGrant:
         """Lease one rank; the returned grant always carries the full manifest."""
-        return await self._send(self._lease(model, tp_rank, tp_size, kernel, format, ttl_s))
+        return await self._send(self._lease(model, **terms))
 
     async def leases(self) -> list[LeaseInfo]:
         return await self._send(self._leases())
