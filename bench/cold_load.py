@@ -21,7 +21,6 @@ writes the figures (rewritten after each step, so a run cut short keeps what it 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -32,7 +31,7 @@ from typing import Any
 
 import torch
 
-from bench.common import CACHE, shm_scratch, warm_page_cache
+from bench.common import CACHE, save_json, shm_scratch, warm_page_cache
 from bench.daemon_loads import daemon_load, pair_of_loads, release
 from bench.measure import cpu_seconds, log, sync, timed
 from bench.plain_load import plain_process, plain_read, same_bytes
@@ -96,8 +95,7 @@ def main() -> None:
     }
 
     def save() -> None:
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=2))
+        save_json(args.json, result)
 
     log(f"{args.shape} {args.scheme}: {gb:.2f} GB at {path}, device {result['device_name']}")
     shm = shm_scratch()

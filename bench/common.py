@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import tempfile
 import time
@@ -41,6 +42,12 @@ def warm_page_cache(path: Path) -> int:
             while chunk := fh.read(64 << 20):
                 total += len(chunk)
     return total
+
+
+def save_json(path: Path | None, figures: object) -> None:
+    """Write the run's figures to ``path`` (a benchmark's ``--json``), if one was given."""
+    if path is not None:
+        path.write_text(json.dumps(figures, indent=2))
 
 
 def median_seconds(

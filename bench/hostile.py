@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from bench import hostile_files, hostile_front, hostile_leases
-from bench.common import CACHE, demo_checkpoint
+from bench.common import CACHE, demo_checkpoint, save_json
 from bench.hostile_tools import Case, Target
 from harness.daemon_process import start_daemon
 from harness.hostile.memory import SLACK_BYTES
@@ -250,8 +250,7 @@ def main() -> None:
     if not args.only or "scrub" in args.only:
         rows.append(scrub_case(model, work, args.tree))
     _print(rows)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    save_json(args.json, rows)
 
 
 if __name__ == "__main__":

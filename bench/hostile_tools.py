@@ -14,7 +14,6 @@ from pathlib import Path
 from harness.daemon_process import DaemonProcess
 from harness.hostile import sockets
 from harness.hostile.memory import rss_bytes
-from harness.hostile.sockets import port_of
 from harness.hostile.users import UserAgent
 
 
@@ -31,10 +30,6 @@ class Target:
         return self.daemon.url
 
     @property
-    def port(self) -> int:
-        return port_of(self.url)
-
-    @property
     def pid(self) -> int:
         return self.daemon.process.pid
 
@@ -47,7 +42,7 @@ Case = Callable[[Target, Path], Result]
 
 
 def connect(target: Target, rcvbuf: int | None = None) -> socket.socket:
-    return sockets.connect(target.port, rcvbuf, timeout_s=30)
+    return sockets.connect(target.daemon.port, rcvbuf, timeout_s=30)
 
 
 def linked_copy(work: Path, src: Path, name: str) -> Path:

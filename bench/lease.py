@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing
 import shutil
 import statistics
@@ -28,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import CACHE, demo_checkpoint, shm_scratch
+from bench.common import CACHE, demo_checkpoint, save_json, shm_scratch
 from engine_client.client import AsyncDaemonClient, ClientConfig
 from harness.daemon_process import start_daemon
 from harness.timing import percentile
@@ -209,8 +208,7 @@ def main() -> None:
             f"{h['lease_errors']} errors, p50 {h['lease_p50_ms'] or 0:.2f} ms, "
             f"p99 {h['lease_p99_ms'] or 0:.2f} ms"
         )
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    save_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def plain_process(
             tensors[s.weight][s.slice.rows[0] : s.slice.rows[1], s.slice.cols[0] : s.slice.cols[1]]
             for s in lp.shards
         ]
-        out.update(process_layer(lp.scheme, lp.laid, parts, lp.shard_scales(plan.scales), device))
+        out.update(process_layer(lp.scheme, lp, parts, lp.shard_scales(plan.scales), device))
         if lp.bias is not None:
             biases = [tensors[s.bias or ""][s.slice.rows[0] : s.slice.rows[1]] for s in lp.shards]
             out[lp.bias.name] = torch.cat(biases)

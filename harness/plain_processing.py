@@ -12,7 +12,7 @@ import torch
 
 from modelopt_fp8.processing.tensor_spec import TensorSpec
 from modelopt_fp8.schemes import LinearScheme
-from modelopt_fp8.schemes.base import LaidOut, ShardScales
+from modelopt_fp8.schemes.base import LaidOut, ShardScales, TorchLayer
 
 
 def _storage(spec: TensorSpec | None, device: torch.device) -> torch.Tensor | None:
@@ -39,7 +39,7 @@ def process_layer(
         start = end
     weight_scale = _storage(laid.weight_scale, device)
     input_scale = _storage(laid.input_scale, device)
-    scheme.process_in_torch(rows, shards, weight_scale, input_scale)
+    scheme.process_in_torch(TorchLayer(rows, shards, weight_scale, input_scale))
     out = {laid.weight.name: weight}
     for spec, storage in ((laid.weight_scale, weight_scale), (laid.input_scale, input_scale)):
         if spec is not None and storage is not None:

@@ -21,7 +21,9 @@ from modelopt_fp8.processing.carried_plan import CarriedPlan
 from modelopt_fp8.processing.fp8 import FP8_DTYPE
 from modelopt_fp8.processing.linear_plan import LinearPlan
 from modelopt_fp8.processing.plan import ModelPlan, plan_model
+from protocol.checksum import storage_checksum
 from protocol.errors import CorruptFileError
+from service.registry.loader import LoadRequest, Progress, load_model
 
 _E4M3_NAN_BITS = 0x7F
 _CHUNK = 1 << 22  # elements per reduction: keeps the masked temporary in cache
@@ -73,7 +75,7 @@ def _linear(
     ckpt: Checkpoint, plan: LinearPlan, scales: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     weights = read_shards(ckpt, plan)
-    out = process_layer(plan.scheme, plan.laid, weights, plan.shard_scales(scales))
+    out = process_layer(plan.scheme, plan, weights, plan.shard_scales(scales))
     if plan.bias is not None:  # the shards' rows one after another, never padded
         biases = [_read_clean(ckpt, s.bias or "", rows=s.slice.rows) for s in plan.shards]
         out[plan.bias.name] = torch.cat(biases)
@@ -101,3 +103,26 @@ def reference_storages(path: Path, tp: int, rank: int) -> tuple[ModelPlan, dict[
         for cp in plan.carried:
             storages[cp.spec.name] = _carried(ckpt, cp)
     return plan, storages
+
+
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A storage's bytes, on the host."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_load_matches_reference(request: LoadRequest, device_type: str) -> None:
+    """The daemon's load of ``request``: every rank's arena on ``device_type``, its bytes and
+    the manifest's checksums the plain path's."""
+    ranks = load_model(request, Progress())
+    try:
+        for rank in ranks:
+            plan, want = reference_storages(request.path, request.tp_size, rank.manifest.tp_rank)
+            specs = {s.name: s for s in plan.specs}
+            for entry in rank.manifest.tensors:
+                stored = rank.arena.storage(specs[entry.name])
+                assert stored.device.type == device_type, entry.name
+                assert torch.equal(storage_bytes(stored), storage_bytes(want[entry.name]))
+                assert entry.checksum == storage_checksum(want[entry.name]), entry.name
+    finally:
+        for rank in ranks:
+            rank.arena.release()

@@ -146,55 +146,33 @@ def read_dims(config: dict[str, Any], source: str) -> ModelDims:
     )
 
 
+def _row_parallel(prefix: str, output_size: int, input_size: int, bias: bool) -> LinearSpec:
+    """A ``RowParallelLinear``: one checkpoint projection, its input split over the ranks."""
+    shards = (ShardSpec(prefix, "0", output_size),)
+    return LinearSpec(prefix, Parallelism.ROW, shards, input_size, bias)
+
+
 def linear_specs(dims: ModelDims) -> list[LinearSpec]:
     """Every linear layer of the decoder stack, in the order vLLM creates them."""
     specs: list[LinearSpec] = []
     h, inter = dims.hidden_size, dims.intermediate_size
     for i in range(dims.num_hidden_layers):
         attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        specs.append(
-            LinearSpec(
-                prefix=f"{attn}.qkv_proj",
-                parallelism=Parallelism.QKV,
-                shards=(
-                    ShardSpec(f"{attn}.q_proj", "q", dims.q_size),
-                    ShardSpec(f"{attn}.k_proj", "k", dims.kv_size),
-                    ShardSpec(f"{attn}.v_proj", "v", dims.kv_size),
-                ),
-                input_size=h,
-                has_bias=dims.qkv_bias,
-            )
+        qkv = (
+            ShardSpec(f"{attn}.q_proj", "q", dims.q_size),
+            ShardSpec(f"{attn}.k_proj", "k", dims.kv_size),
+            ShardSpec(f"{attn}.v_proj", "v", dims.kv_size),
         )
-        specs.append(
-            LinearSpec(
-                prefix=f"{attn}.o_proj",
-                parallelism=Parallelism.ROW,
-                shards=(ShardSpec(f"{attn}.o_proj", "0", h),),
-                input_size=dims.q_size,
-                has_bias=False,
-            )
+        gate_up = (
+            ShardSpec(f"{mlp}.gate_proj", "0", inter),
+            ShardSpec(f"{mlp}.up_proj", "1", inter),
         )
-        specs.append(
-            LinearSpec(
-                prefix=f"{mlp}.gate_up_proj",
-                parallelism=Parallelism.MERGED_COLUMN,
-                shards=(
-                    ShardSpec(f"{mlp}.gate_proj", "0", inter),
-                    ShardSpec(f"{mlp}.up_proj", "1", inter),
-                ),
-                input_size=h,
-                has_bias=dims.mlp_bias,
-            )
-        )
-        specs.append(
-            LinearSpec(
-                prefix=f"{mlp}.down_proj",
-                parallelism=Parallelism.ROW,
-                shards=(ShardSpec(f"{mlp}.down_proj", "0", h),),
-                input_size=inter,
-                has_bias=dims.mlp_bias,
-            )
-        )
+        specs += [
+            LinearSpec(f"{attn}.qkv_proj", Parallelism.QKV, qkv, h, dims.qkv_bias),
+            _row_parallel(f"{attn}.o_proj", h, dims.q_size, False),
+            LinearSpec(f"{mlp}.gate_up_proj", Parallelism.MERGED_COLUMN, gate_up, h, dims.mlp_bias),
+            _row_parallel(f"{mlp}.down_proj", h, inter, dims.mlp_bias),
+        ]
     return specs
 
 

@@ -54,7 +54,7 @@ def linear_fills(
 ) -> tuple[Fill, ...]:
     """The weight's rows (each shard's through its code map, where its scheme requantizes it),
     the scales the scheme fuses, and the bias."""
-    fused = plan.scheme.scale_fills(plan.laid, plan.shard_scales(scales))
+    fused = plan.scheme.scale_fills(plan, plan.shard_scales(scales))
     segments = []
     row = 0
     for shard, code_map in zip(plan.shards, fused.code_maps, strict=True):

@@ -19,7 +19,6 @@ from modelopt_fp8.processing.tensor_parallel import ShardSlice, shard_slice
 from modelopt_fp8.processing.tensor_spec import FLOAT_DTYPES, TensorSpec
 from modelopt_fp8.schemes import LinearScheme
 from modelopt_fp8.schemes.base import FusedLayer, LaidOut, ShardScales
-from protocol.schemas.layout import LayerLayout
 
 
 @dataclass(frozen=True)
@@ -33,28 +32,14 @@ class ShardSource:
     bias: str | None
 
 
-@dataclass(frozen=True)
-class LinearPlan:
+@dataclass(frozen=True, kw_only=True)
+class LinearPlan(LaidOut):
+    """A linear layer laid out by its scheme, with where its shards come from on this rank and
+    its bias (every scheme keeps it as stored)."""
+
     scheme: LinearScheme
-    laid: LaidOut
     shards: tuple[ShardSource, ...]
     bias: TensorSpec | None
-
-    @property
-    def layout(self) -> LayerLayout:
-        return self.laid.layout
-
-    @property
-    def weight(self) -> TensorSpec:
-        return self.laid.weight
-
-    @property
-    def weight_scale(self) -> TensorSpec | None:
-        return self.laid.weight_scale
-
-    @property
-    def input_scale(self) -> TensorSpec | None:
-        return self.laid.input_scale
 
     @property
     def specs(self) -> list[TensorSpec]:
@@ -106,4 +91,5 @@ def plan_linear(reads: CheckedReads, spec: LinearSpec, tp_size: int, tp_rank: in
         shard_names=tuple(s.checkpoint_prefix for s in spec.shards),
         bias=bias_spec.name if bias_spec else None,
     )
-    return LinearPlan(scheme, scheme.lay_out(layer), tuple(shards), bias_spec)
+    laid = scheme.lay_out(layer)
+    return LinearPlan(**vars(laid), scheme=scheme, shards=tuple(shards), bias=bias_spec)

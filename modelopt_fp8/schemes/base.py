@@ -115,6 +115,18 @@ class LaidOut:
 
 
 @dataclass(frozen=True)
+class TorchLayer:
+    """A layer as the plain-torch processing hands it to its scheme: each shard's weight rows
+    (views of the fused weight, requantized in place), its scales, and the storages of the fused
+    scales to write (None where the scheme has none)."""
+
+    weights: Sequence[torch.Tensor]
+    shards: Sequence[ShardScales]
+    weight_scale: torch.Tensor | None = None
+    input_scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class ScaleFills:
     """What a scheme computes for the fast path: the fused scales, and per shard the code map
     that requantizes its weight rows (None: its bytes stay as they are)."""
@@ -153,15 +165,9 @@ class LinearScheme(abc.ABC):
         """The fused scales of ``laid`` and each shard's requantization, for the fast path."""
 
     @abc.abstractmethod
-    def process_in_torch(
-        self,
-        weights: Sequence[torch.Tensor],
-        shards: Sequence[ShardScales],
-        weight_scale: torch.Tensor | None,
-        input_scale: torch.Tensor | None,
-    ) -> None:
-        """The same processing in plain torch: requantize each shard's weight rows in place
-        (``weights``: views of the fused weight) and write the fused scales."""
+    def process_in_torch(self, layer: TorchLayer) -> None:
+        """The same processing in plain torch: requantize each shard's weight rows in place and
+        write the fused scales."""
 
     # --- the engine -----------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from modelopt_fp8.schemes.base import (
     ScaleNames,
     ScaleReads,
     ShardScales,
+    TorchLayer,
 )
 from modelopt_fp8.schemes.cutlass_fp8 import CutlassFp8Scheme
 from protocol.schemas.layout import ActivationQuant
@@ -96,21 +97,15 @@ class Fp8PerTensor(CutlassFp8Scheme):
         )
         return ScaleFills(fills, tuple(maps))
 
-    def process_in_torch(
-        self,
-        weights: Sequence[torch.Tensor],
-        shards: Sequence[ShardScales],
-        weight_scale: torch.Tensor | None,
-        input_scale: torch.Tensor | None,
-    ) -> None:
-        assert weight_scale is not None and input_scale is not None
-        scales = torch.stack([_scalar(s.weight_scale) for s in shards])
+    def process_in_torch(self, layer: TorchLayer) -> None:
+        assert layer.weight_scale is not None and layer.input_scale is not None
+        scales = torch.stack([_scalar(s.weight_scale) for s in layer.shards])
         max_scale = scales.max()
         if not bool((scales == scales[0]).all()):
-            for rows, scale in zip(weights, scales, strict=True):
+            for rows, scale in zip(layer.weights, scales, strict=True):
                 _requantize_in_place(rows, requantize_lut(scale, max_scale))
-        weight_scale.copy_(max_scale)
-        input_scale.copy_(torch.stack([_scalar(s.input_scale) for s in shards]).max())
+        layer.weight_scale.copy_(max_scale)
+        layer.input_scale.copy_(torch.stack([_scalar(s.input_scale) for s in layer.shards]).max())
 
     def export(
         self, prefix: str, weight: torch.Tensor, input_scale: float

@@ -24,6 +24,7 @@ from modelopt_fp8.schemes.base import (
     ScaleNames,
     ScaleReads,
     ShardScales,
+    TorchLayer,
 )
 from modelopt_fp8.schemes.cutlass_fp8 import CutlassFp8Scheme
 from protocol.schemas.layout import ActivationQuant
@@ -64,17 +65,11 @@ class Fp8PerChannel(CutlassFp8Scheme):
 
         return ScaleFills((SmallFill(spec, padded),), (None,) * len(shards))
 
-    def process_in_torch(
-        self,
-        weights: Sequence[torch.Tensor],
-        shards: Sequence[ShardScales],
-        weight_scale: torch.Tensor | None,
-        input_scale: torch.Tensor | None,
-    ) -> None:
-        assert weight_scale is not None
-        joined = _rank_rows(shards)
-        weight_scale[: joined.numel()].copy_(joined)
-        weight_scale[joined.numel() :].fill_(1.0)
+    def process_in_torch(self, layer: TorchLayer) -> None:
+        assert layer.weight_scale is not None
+        joined = _rank_rows(layer.shards)
+        layer.weight_scale[: joined.numel()].copy_(joined)
+        layer.weight_scale[joined.numel() :].fill_(1.0)
 
     def export(
         self, prefix: str, weight: torch.Tensor, input_scale: float

@@ -17,6 +17,7 @@ from modelopt_fp8.schemes.base import (
     ScaleNames,
     ScaleReads,
     ShardScales,
+    TorchLayer,
 )
 from protocol.schemas.layout import ActivationQuant, Kernel, LayerLayout
 
@@ -47,13 +48,7 @@ class Unquantized(LinearScheme):
     def scale_fills(self, laid: LaidOut, shards: Sequence[ShardScales]) -> ScaleFills:
         return ScaleFills((), (None,) * len(shards))
 
-    def process_in_torch(
-        self,
-        weights: Sequence[torch.Tensor],
-        shards: Sequence[ShardScales],
-        weight_scale: torch.Tensor | None,
-        input_scale: torch.Tensor | None,
-    ) -> None:
+    def process_in_torch(self, layer: TorchLayer) -> None:
         """Nothing beyond the fusing every scheme shares."""
 
     def check_leased(self, layer: LayerLayout, kernel: str, format: str) -> None:

@@ -16,9 +16,10 @@ import argparse
 import json
 import sys
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+
+from harness.json_http import JsonAnswers
 
 
 def tokens_for(prompt: list[int], count: int) -> list[int]:
@@ -27,36 +28,24 @@ def tokens_for(prompt: list[int], count: int) -> list[int]:
     return [(seed + 7919 * i) % 32000 for i in range(count)]
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(JsonAnswers):
     protocol_version = "HTTP/1.1"
     delay_s = 0.0
 
-    def _send(self, status: int, body: dict[str, Any]) -> None:
-        payload = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
     def do_GET(self) -> None:
         if self.path == "/health":
-            self._send(200, {})
+            self.answer_json(200, {})
         else:
-            self._send(404, {"error": "not found"})
+            self.answer_json(404, {"error": "not found"})
 
     def do_POST(self) -> None:
-        length = int(self.headers.get("content-length", "0"))
-        request = json.loads(self.rfile.read(length) or b"{}")
+        request = json.loads(self.read_body() or b"{}")
         if self.path != "/v1/completions" or not isinstance(request.get("prompt"), list):
-            self._send(400, {"error": "expected /v1/completions with token ids"})
+            self.answer_json(400, {"error": "expected /v1/completions with token ids"})
             return
         time.sleep(self.delay_s)  # the time a generation takes
         tokens = tokens_for(request["prompt"], int(request.get("max_tokens", 16)))
-        self._send(200, {"choices": [{"index": 0, "text": "", "token_ids": tokens}]})
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # one line per request would flood the proof's logs
+        self.answer_json(200, {"choices": [{"index": 0, "text": "", "token_ids": tokens}]})
 
 
 def attach(url: str, checkpoint: Path, model: str) -> object:

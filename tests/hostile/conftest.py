@@ -18,7 +18,6 @@ import httpx
 import pytest
 
 from harness.daemon_process import DaemonProcess, lease_body, start_daemon
-from harness.hostile.sockets import port_of
 from harness.waiting import wait_for
 
 LIMITS = {
@@ -46,7 +45,7 @@ class Hostile:
 
     @property
     def port(self) -> int:
-        return port_of(self.url)
+        return self.daemon.port
 
     def checkpoint(self, name: str) -> Path:
         """A fresh copy of the tiny checkpoint below the allowed root, to break."""

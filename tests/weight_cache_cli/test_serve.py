@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -14,21 +13,9 @@ from pathlib import Path
 
 import httpx
 
+from harness.cli import CLI, run_cli
 from harness.daemon_process import free_port, start_daemon
 from harness.waiting import wait_for
-
-CLI = [sys.executable, "-m", "weight_cache_cli"]
-
-
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
-    return subprocess.run(
-        [*CLI, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def error_lines(stderr: str) -> list[str]:

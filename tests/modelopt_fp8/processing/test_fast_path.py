@@ -36,7 +36,7 @@ from service.demo import write_demo_checkpoint
 from service.memory.shm import ArenaDir
 from service.registry.loader import LoadRequest, Progress, load_model
 from tests.conftest import MODELOPT_EXPORTS
-from tests.reference_processing import reference_storages
+from tests.reference_processing import assert_load_matches_reference, reference_storages
 
 TP_RANKS = [(1, 0), (2, 0), (2, 1), (4, 0), (4, 3)]
 
@@ -64,18 +64,7 @@ def shm_request(path: Path, shm: Path, tp: int) -> LoadRequest:
 def assert_arena_matches_reference(path: Path, shm: Path, tp: int) -> None:
     """The daemon's load (pwrite into shared-memory arenas): the bytes of every rank and the
     manifest's checksums are the reference path's."""
-    ranks = load_model(shm_request(path, shm, tp), Progress())
-    try:
-        for rank in ranks:
-            plan, want = reference_storages(path, tp, rank.manifest.tp_rank)
-            specs = {s.name: s for s in plan.specs}
-            for entry in rank.manifest.tensors:
-                stored = rank.arena.storage(specs[entry.name])
-                assert torch.equal(_raw(stored), _raw(want[entry.name])), entry.name
-                assert entry.checksum == storage_checksum(want[entry.name]), entry.name
-    finally:
-        for rank in ranks:
-            rank.arena.release()
+    assert_load_matches_reference(shm_request(path, shm, tp), "cpu")
 
 
 @pytest.mark.parametrize("export", MODELOPT_EXPORTS, ids=lambda p: p.name)
