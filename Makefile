@@ -47,8 +47,8 @@ run: $(DAEMON_STAMP)
 	$(VENV)/bin/weight-cache serve
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check protocol modelopt_fp8 service engine_client weight_cache_cli tests bench
-	$(VENV)/bin/ruff format --check protocol modelopt_fp8 service engine_client weight_cache_cli tests bench
+	$(VENV)/bin/ruff check protocol modelopt_fp8 service engine_client weight_cache_cli harness tests bench
+	$(VENV)/bin/ruff format --check protocol modelopt_fp8 service engine_client weight_cache_cli harness tests bench
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --python-version 3.12  # pyproject checks 3.10; both ends of what is supported
 
@@ -97,8 +97,8 @@ test-vllm: $(VLLM_VENV)/.weight-cache-deps
 		$(VLLM_VENV)/bin/python -m pytest tests/vllm
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format protocol modelopt_fp8 service engine_client weight_cache_cli tests bench
-	$(VENV)/bin/ruff check --fix protocol modelopt_fp8 service engine_client weight_cache_cli tests bench
+	$(VENV)/bin/ruff format protocol modelopt_fp8 service engine_client weight_cache_cli harness tests bench
+	$(VENV)/bin/ruff check --fix protocol modelopt_fp8 service engine_client weight_cache_cli harness tests bench
 
 openapi: $(STAMP)
 	$(VENV)/bin/weight-cache openapi > openapi.json

@@ -23,12 +23,13 @@ from typing import Any
 
 import torch
 
-from bench.common import CACHE, demo_checkpoint, median_seconds, percentile, warm_page_cache
+from bench.common import CACHE, demo_checkpoint, median_seconds, save_json, warm_page_cache
 from engine_client.attach import attach
 from engine_client.checkpoint_read import read_checkpoint
 from engine_client.client import ClientConfig
 from engine_client.verify import Expectations
-from tests.daemon_process import start_daemon
+from harness.daemon_process import start_daemon
+from harness.timing import percentile
 
 
 def device() -> torch.device:
@@ -173,8 +174,7 @@ def main() -> None:
             f"{r['rebuild_p50_ms']:>8.2f}{r['cold_attach']['attach_ms']:>7.1f}"
             f"{r['speedup_first']:>10.0f}x /{r['speedup']:>6.0f}x"
         )
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    save_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ writes the figures (rewritten after each step, so a run cut short keeps what it 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -32,13 +31,14 @@ from typing import Any
 
 import torch
 
-from bench.common import CACHE, shm_scratch, warm_page_cache
+from bench.common import CACHE, save_json, shm_scratch, warm_page_cache
 from bench.daemon_loads import daemon_load, pair_of_loads, release
 from bench.measure import cpu_seconds, log, sync, timed
 from bench.plain_load import plain_process, plain_read, same_bytes
 from bench.vllm_default_load import vllm_load
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import plan_model
+from modelopt_fp8.processing.plan import plan_model
+from modelopt_fp8.schemes import demo_schemes
 from service.demo import SHAPES, write_demo_checkpoint
 
 
@@ -55,7 +55,7 @@ def checkpoint(directory: Path, shape: str, scheme: str) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES))
-    parser.add_argument("--scheme", default="fp8", choices=["fp8", "fp8-pc-pt"])
+    parser.add_argument("--scheme", default="fp8", choices=sorted(demo_schemes()))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dir", type=Path, default=CACHE, help="where demo checkpoints live")
     parser.add_argument("--repeats", type=int, default=3, help="daemon loads after the first")
@@ -95,8 +95,7 @@ def main() -> None:
     }
 
     def save() -> None:
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=2))
+        save_json(args.json, result)
 
     log(f"{args.shape} {args.scheme}: {gb:.2f} GB at {path}, device {result['device_name']}")
     shm = shm_scratch()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import json
 import statistics
 import tempfile
 import time
@@ -10,11 +10,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from protocol.client_settings import BenchSettings
 from service.demo import write_demo_checkpoint
 
 T = TypeVar("T")
 
-CACHE = Path(os.environ.get("WEIGHT_CACHE_BENCH_DIR", Path.home() / ".cache/weight-cache/bench"))
+CACHE = BenchSettings().bench_dir
 
 
 def demo_checkpoint(shape: str, scheme: str = "fp8") -> Path:
@@ -43,10 +44,10 @@ def warm_page_cache(path: Path) -> int:
     return total
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The ``q`` quantile of ``values`` (nearest rank, no interpolation)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def save_json(path: Path | None, figures: object) -> None:
+    """Write the run's figures to ``path`` (a benchmark's ``--json``), if one was given."""
+    if path is not None:
+        path.write_text(json.dumps(figures, indent=2))
 
 
 def median_seconds(

@@ -25,11 +25,12 @@ from typing import Any
 import httpx
 
 from bench import hostile_files, hostile_front, hostile_leases
-from bench.common import CACHE, demo_checkpoint
+from bench.common import CACHE, demo_checkpoint, save_json
 from bench.hostile_tools import Case, Target
-from tests.daemon_process import start_daemon
-from tests.hostile.memory import SLACK_BYTES
-from tests.hostile.probe import HealthProbe
+from harness.daemon_process import start_daemon
+from harness.hostile.memory import SLACK_BYTES
+from harness.hostile.probe import HealthProbe
+from harness.waiting import poll
 
 
 def idle(target: Target, work: Path) -> tuple[int, int, str]:
@@ -114,9 +115,7 @@ class RssWatch:
         self._done.set()
         self._thread.join()
         slack = SLACK_BYTES / 2**20
-        deadline = time.monotonic() + 30
-        while self.target.rss_mb() > self.before + slack and time.monotonic() < deadline:
-            time.sleep(0.2)
+        poll(lambda: self.target.rss_mb() <= self.before + slack, 30, every=0.2)
         self.after = self.target.rss_mb()
 
 
@@ -251,8 +250,7 @@ def main() -> None:
     if not args.only or "scrub" in args.only:
         rows.append(scrub_case(model, work, args.tree))
     _print(rows)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    save_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 
 from bench.hostile_tools import Result, Target, linked_copy, replace_file
+from harness.checkpoint_tools import rewrite_header
 from modelopt_fp8.checkpoint import checkpoint_fingerprint
 from service.demo import write_demo_checkpoint
-from tests.checkpoint_tools import rewrite_header
 
 
 def _settled(client: httpx.Client, model_id: str, timeout_s: float = 600) -> dict[str, Any]:

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 
 from bench.hostile_tools import Result, Target, connect
+from harness.hostile.sockets import read_all, send_until_closed, status_of
 from service.api.peer import tcp_socket
-from tests.hostile.sockets import read_all, send_until_closed, status_of
 
 
 def _big_header(target: Target) -> int:

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 
 from bench.hostile_tools import Result, Target, as_user
-from tests.daemon_process import lease_body
-from tests.hostile.users import NOBODY
+from harness.daemon_process import lease_body
+from harness.hostile.users import NOBODY
 
 
 def leases_capped(target: Target, work: Path) -> Result:

@@ -1,6 +1,6 @@
 """What the hostile benchmark's cases share: the daemon they attack, raw sockets (the hostile
-tests' own, :mod:`tests.hostile.sockets`), checkpoint copies made of hard links, the daemon's
-resident memory, and acting as another user (:class:`tests.hostile.users.UserAgent`)."""
+tests' own, :mod:`harness.hostile.sockets`), checkpoint copies made of hard links, the daemon's
+resident memory, and acting as another user (:class:`harness.hostile.users.UserAgent`)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.daemon_process import DaemonProcess
-from tests.hostile import sockets
-from tests.hostile.memory import rss_bytes
-from tests.hostile.sockets import port_of
-from tests.hostile.users import UserAgent
+from harness.daemon_process import DaemonProcess
+from harness.hostile import sockets
+from harness.hostile.memory import rss_bytes
+from harness.hostile.users import UserAgent
 
 
 @dataclass
@@ -31,10 +30,6 @@ class Target:
         return self.daemon.url
 
     @property
-    def port(self) -> int:
-        return port_of(self.url)
-
-    @property
     def pid(self) -> int:
         return self.daemon.process.pid
 
@@ -47,7 +42,7 @@ Case = Callable[[Target, Path], Result]
 
 
 def connect(target: Target, rcvbuf: int | None = None) -> socket.socket:
-    return sockets.connect(target.port, rcvbuf, timeout_s=30)
+    return sockets.connect(target.daemon.port, rcvbuf, timeout_s=30)
 
 
 def linked_copy(work: Path, src: Path, name: str) -> Path:

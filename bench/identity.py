@@ -19,6 +19,7 @@ from bench.common import demo_checkpoint, median_seconds, warm_page_cache
 from engine_client.verify import Expectations
 from modelopt_fp8.checkpoint import Checkpoint, IdentityTier, checkpoint_fingerprint
 from modelopt_fp8.checkpoint.fingerprint import sampled_digest
+from modelopt_fp8.schemes import demo_schemes
 
 TARGET_MS = 20.0
 
@@ -26,7 +27,7 @@ TARGET_MS = 20.0
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="llama-8b")
-    parser.add_argument("--scheme", default="fp8", choices=["fp8", "fp8-pc-pt"])
+    parser.add_argument("--scheme", default="fp8", choices=sorted(demo_schemes()))
     parser.add_argument("--repeats", type=int, default=21)
     args = parser.parse_args()
 

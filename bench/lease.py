@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing
 import shutil
 import statistics
@@ -28,10 +27,12 @@ from typing import Any
 
 import httpx
 
-from bench.common import CACHE, demo_checkpoint, percentile, shm_scratch
+from bench.common import CACHE, demo_checkpoint, save_json, shm_scratch
 from engine_client.client import AsyncDaemonClient, ClientConfig
+from harness.daemon_process import start_daemon
+from harness.timing import percentile
+from modelopt_fp8.schemes import demo_schemes
 from protocol.errors import WeightCacheError
-from tests.daemon_process import start_daemon
 
 
 async def lease_round_trips(
@@ -150,7 +151,7 @@ def main() -> None:
     parser.add_argument(
         "--load-shape", default="llama-8b", help="model loaded while /health is polled ('' to skip)"
     )
-    parser.add_argument("--load-scheme", default="fp8", choices=["fp8", "fp8-pc-pt"])
+    parser.add_argument("--load-scheme", default="fp8", choices=sorted(demo_schemes()))
     parser.add_argument("--device", default="cpu", help="the daemon's --device")
     parser.add_argument("--only-load", action="store_true", help="skip the lease round trips")
     parser.add_argument("--json", type=Path)
@@ -207,8 +208,7 @@ def main() -> None:
             f"{h['lease_errors']} errors, p50 {h['lease_p50_ms'] or 0:.2f} ms, "
             f"p99 {h['lease_p99_ms'] or 0:.2f} ms"
         )
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    save_json(args.json, results)
 
 
 if __name__ == "__main__":

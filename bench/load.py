@@ -8,13 +8,13 @@ process) lease and release in a loop for the whole period.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
-from bench.common import CACHE, demo_checkpoint, percentile
+from bench.common import CACHE, demo_checkpoint, save_json
 from bench.lease import concurrent_round_trips
-from tests.daemon_process import start_daemon
+from harness.daemon_process import start_daemon
+from harness.timing import percentile
 
 
 def main() -> None:
@@ -52,8 +52,7 @@ def main() -> None:
         f"{result['leases_per_second']:.0f} leases/s, p50 {result['p50_ms']:.1f} ms, "
         f"p99 {result['p99_ms']:.1f} ms, errors {errors} (target 0), daemon alive {alive}"
     )
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    save_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The loader the daemon competes with in plain torch: ``safetensors.load_file`` + ``.to(device)``,
 then the same processing done in torch on the device.
 
-It uses the daemon's code maps, so its bytes must equal the daemon's arena; the benchmark checks
-that they do, which keeps the comparison honest.
+Its bytes must equal the daemon's arena; the benchmark checks that they do, which keeps the
+comparison honest.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from bench.measure import log, sync
-from modelopt_fp8.processing import ModelPlan
-from modelopt_fp8.processing.execute import requantize_maps
-from protocol.schemas.layout import Scheme
+from harness.plain_processing import process_layer
+from modelopt_fp8.processing.plan import ModelPlan
 from service.registry.loader import ResidentRank
 
 
@@ -33,48 +32,16 @@ def plain_read(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
 def plain_process(
     plan: ModelPlan, tensors: dict[str, torch.Tensor], device: torch.device
 ) -> dict[str, torch.Tensor]:
-    """The processing in plain torch on ``device``: slice, fuse, requantize (the same code
-    maps, gathered on the device), pad; returns every storage."""
+    """The processing in plain torch on ``device``: slice, fuse, pad, and each layer's
+    scheme's processing in torch (:func:`harness.plain_processing.process_layer`); returns
+    every storage."""
     out: dict[str, torch.Tensor] = {}
     for lp in plan.linears:
         parts = [
             tensors[s.weight][s.slice.rows[0] : s.slice.rows[1], s.slice.cols[0] : s.slice.cols[1]]
             for s in lp.shards
         ]
-        scheme = lp.layout.scheme
-        if scheme is Scheme.fp8:
-            max_scale, maps = requantize_maps(
-                [plan.scales[s.weight_scale or ""] for s in lp.shards]
-            )
-            for i, code_map in enumerate(maps):
-                if code_map is None:
-                    continue
-                codes = parts[i].contiguous().view(torch.uint8)
-                if device.type == "cuda":
-                    table = torch.from_numpy(code_map.table).to(device)
-                    parts[i] = table[codes.long()].view(parts[i].dtype)
-                else:  # torch gathers bytes slowly on the CPU: NumPy, as the daemon does
-                    mapped = torch.empty_like(codes)
-                    code_map.apply(codes.numpy(), mapped.numpy())
-                    parts[i] = mapped.view(parts[i].dtype)
-            assert lp.weight_scale is not None and lp.input_scale is not None
-            out[lp.weight_scale.name] = max_scale.to(device)
-            inputs = [plan.scales[s.input_scale or ""].reshape(()) for s in lp.shards]
-            out[lp.input_scale.name] = torch.stack(inputs).max().to(device)
-        elif scheme is Scheme.fp8_pc_pt:
-            assert lp.weight_scale is not None
-            scale = torch.ones(lp.weight_scale.storage_shape, dtype=torch.float32, device=device)
-            rows = [
-                plan.scales[s.weight_scale or ""].reshape(-1)[s.slice.rows[0] : s.slice.rows[1]]
-                for s in lp.shards
-            ]
-            joined = torch.cat(rows).to(device)
-            scale[: joined.numel()] = joined
-            out[lp.weight_scale.name] = scale
-        fused = torch.cat(parts)
-        weight = torch.zeros(lp.weight.storage_shape, dtype=lp.weight.dtype, device=device)
-        weight[: fused.shape[0], : fused.shape[1]] = fused
-        out[lp.weight.name] = weight
+        out.update(process_layer(lp.scheme, lp, parts, lp.shard_scales(plan.scales), device))
         if lp.bias is not None:
             biases = [tensors[s.bias or ""][s.slice.rows[0] : s.slice.rows[1]] for s in lp.shards]
             out[lp.bias.name] = torch.cat(biases)

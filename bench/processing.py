@@ -4,8 +4,8 @@ For a demo shape (default qwen2.5-0.5b), from the page cache, all in one run:
 
 * ``safetensors.torch.load_file`` of every file with each tensor copied into memory the process
   owns (``load_file`` alone only maps the file; the copy is the read);
-* the reference path (``tests/reference_processing.py``: the load path before the fast one,
-  kept for comparison) through ``process_checkpoint``'s old code;
+* the same, then the processing in plain torch (``bench/plain_load.py``): what a loader without
+  the fast path does for the same bytes (the run checks that they are the same);
 * ``process_checkpoint``: read, validate, fuse, requantize, transpose, pad into fresh tensors;
 * the daemon's ``load_model`` into a shared-memory arena (with checksums and manifest).
 
@@ -23,21 +23,26 @@ from safetensors.torch import load_file
 
 from bench.common import demo_checkpoint, median_seconds, shm_scratch, warm_page_cache
 from bench.daemon_loads import daemon_load, release
+from bench.plain_load import plain_process, plain_read
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import plan_model, process_checkpoint
+from modelopt_fp8.processing.execute import process_checkpoint
+from modelopt_fp8.processing.plan import plan_model
+from modelopt_fp8.schemes import demo_schemes
 from service.registry.loader import ResidentRank
-from tests import reference_processing
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="qwen2.5-0.5b")
-    parser.add_argument("--scheme", default="fp8", choices=["fp8", "fp8-pc-pt"])
+    parser.add_argument("--scheme", default="fp8", choices=sorted(demo_schemes()))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--threads", type=int, default=os.cpu_count() or 1, help="loading threads (all cores)"
     )
-    parser.add_argument("--skip-reference", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -49,9 +54,20 @@ def main() -> None:
     def plain() -> list[torch.Tensor]:
         return [t.clone() for f in files for t in load_file(str(f)).values()]
 
-    def reference() -> dict[str, torch.Tensor]:
-        with Checkpoint.open(path) as ckpt:
-            return reference_processing.process_checkpoint(ckpt, plan_model(ckpt))
+    with Checkpoint.open(path) as ckpt:
+        plan = plan_model(ckpt)
+        fast = process_checkpoint(ckpt, plan)
+    cpu = torch.device("cpu")
+
+    def plain_processed() -> dict[str, torch.Tensor]:
+        return plain_process(plan, plain_read(path, cpu), cpu)
+
+    specs = {spec.name: spec for spec in plan.specs}
+    same = all(
+        torch.equal(_bytes(specs[name].storage_of(fast[name])), _bytes(theirs))
+        for name, theirs in plain_processed().items()
+    )
+    del fast
 
     def processed() -> dict[str, torch.Tensor]:
         with Checkpoint.open(path) as ckpt:
@@ -64,8 +80,9 @@ def main() -> None:
 
     try:
         rows = [("safetensors load_file + copy", median_seconds(plain, args.repeats)[0])]
-        if not args.skip_reference:
-            rows.append(("reference path (before)", median_seconds(reference, args.repeats)[0]))
+        rows.append(
+            ("load_file + plain torch processing", median_seconds(plain_processed, args.repeats)[0])
+        )
         processed_s = median_seconds(processed, args.repeats)[0]
         rows.append(("read + process (process_checkpoint)", processed_s))
         rows.append(
@@ -77,7 +94,7 @@ def main() -> None:
     plain_s = rows[0][1]
     print(
         f"checkpoint: {args.shape} {args.scheme}, {gb:.3f} GB, {args.threads} loading threads, "
-        f"median of {args.repeats}"
+        f"median of {args.repeats}; plain processing gives the same bytes: {same}"
     )
     for name, seconds in rows:
         print(

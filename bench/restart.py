@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from bench.common import CACHE, demo_checkpoint
-from tests.daemon_process import free_port, start_daemon, stop_keeper
+from harness.daemon_process import free_port, start_daemon, stop_keeper
 
 
 def footprint(url: str) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.measure import log
+from harness.waiting import poll
 
 VLLM_LINE = re.compile(r"Model loading took ([\d.]+) GiB(?: memory)? and ([\d.]+) s")
 
@@ -72,10 +73,12 @@ def vllm_load(path: Path, site: str | None, timeout_s: float, memory: float) -> 
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
     reader.start()
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        if VLLM_LINE.search("".join(lines[-50:])):
-            break
-        time.sleep(0.2)
+    poll(
+        lambda: VLLM_LINE.search("".join(lines[-50:])),
+        timeout_s,
+        every=0.2,
+        while_=lambda: proc.poll() is None,
+    )
     timed_out = time.monotonic() >= deadline
     if proc.poll() is None:
         proc.terminate()

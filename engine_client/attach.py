@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
 import threading
 import time
 import weakref
@@ -23,12 +22,13 @@ from engine_client.client import ClientConfig, DaemonClient
 from engine_client.fallback import typed_failures
 from engine_client.verify import Expectations, verify_checksums, verify_grant
 from protocol.errors import DaemonUnavailableError, ModelLoadingError, WeightCacheError
+from protocol.logsafe import get_logger
 from protocol.reasons import Reason
 from protocol.schemas.layout import LayerLayout
 from protocol.schemas.leases import LeaseGrant
 from protocol.schemas.manifest import Manifest
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass
@@ -220,7 +220,12 @@ def attach(
     with DaemonClient(config) as client:
         start = time.perf_counter()
         grant = client.lease(
-            model, expect.tp_rank, expect.tp_size, expect.kernel, expect.format, ttl_s=ttl_s
+            model,
+            tp_rank=expect.tp_rank,
+            tp_size=expect.tp_size,
+            kernel=expect.kernel,
+            format=expect.format,
+            ttl_s=ttl_s,
         )
         timings.lease_ms = (time.perf_counter() - start) * 1e3
         arena: OpenedArena | None = None

@@ -23,7 +23,8 @@ from engine_client.client import ClientConfig
 from engine_client.fallback import fall_back_or_raise
 from engine_client.verify import Expectations
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import plan_model, process_checkpoint
+from modelopt_fp8.processing.execute import process_checkpoint
+from modelopt_fp8.processing.plan import plan_model
 from protocol.reasons import Reason
 from protocol.schemas.layout import LayerLayout
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from engine_client.answers import (
     TRANSPORT_ERRORS,
@@ -27,6 +28,7 @@ from engine_client.answers import (
     raise_for_problem,
 )
 from engine_client.layout_cache import LAYOUTS, LayoutKey
+from protocol.client_settings import ClientSettings, client_setting
 from protocol.errors import DaemonUnavailableError, WeightCacheError
 from protocol.schemas.health import Health, Readiness
 from protocol.schemas.inventory import Inventory
@@ -34,33 +36,25 @@ from protocol.schemas.layout import Kernel, WeightFormat
 from protocol.schemas.leases import LeaseGrant, LeaseInfo, LeaseRequest
 from protocol.schemas.models import ModelInfo
 from protocol.tokens import resolve_token
-from protocol.version import DEFAULT_PORT
 
-DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
-STANDBY_GROUP_VARIABLE = "WEIGHT_CACHE_STANDBY_GROUP"
+if TYPE_CHECKING:  # typing.Unpack from Python 3.11; annotations only, never at run time
+    from typing_extensions import Unpack
+
+DEFAULT_URL = ClientSettings.model_construct().daemon_url()  # the daemon's defaults
+DEFAULT_TIMEOUT_S = 10.0  # seconds a request may take
+# Set by `weight-cache standby` in the environment of the engine it starts.
+STANDBY_GROUP_VARIABLE = client_setting("standby_group").variable
 T = TypeVar("T", bound=BaseModel)
-
-
-def daemon_url(environ: Mapping[str, str]) -> str:
-    """The URL of the daemon the ``WEIGHT_CACHE_*`` variables describe: ``WEIGHT_CACHE_URL``,
-    else the host and port the daemon binds (a wildcard bind is reached on loopback)."""
-    if environ.get("WEIGHT_CACHE_URL"):
-        return environ["WEIGHT_CACHE_URL"]
-    host = environ.get("WEIGHT_CACHE_HOST") or "127.0.0.1"
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{environ.get('WEIGHT_CACHE_PORT') or DEFAULT_PORT}"
 
 
 @dataclass(frozen=True)
 class ClientConfig:
-    """Where the daemon is and how to talk to it (``WEIGHT_CACHE_URL``/``_UDS``/``_TOKEN``)."""
+    """Where the daemon is and how to talk to it, as a client has resolved it."""
 
     url: str = DEFAULT_URL
     uds: str | None = None
     token: str | None = None
-    timeout_s: float = 10.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     retries: int = 2
     retry_backoff_s: float = 0.1
     cache_layouts: bool = True  # send known_layout for layouts this process already holds
@@ -69,16 +63,22 @@ class ClientConfig:
     standby_group: str | None = None
 
     @classmethod
-    def from_env(cls, token_file: str | None = None, **overrides: Any) -> ClientConfig:
-        """The environment under the ``overrides`` given (None: not given). The daemon's own
-        variables say where it is (``WEIGHT_CACHE_UDS``, else ``WEIGHT_CACHE_URL``, else
-        ``WEIGHT_CACHE_HOST``/``_PORT``); a ``url`` given explicitly beats an inherited socket.
-        The token follows :func:`protocol.tokens.resolve_token`."""
+    def from_env(cls, token_file: str | Path | None = None, **overrides: Any) -> ClientConfig:
+        """The environment (:class:`~protocol.client_settings.ClientSettings`) under the
+        ``overrides`` given (None: not given): the daemon's socket, else its URL, else the host
+        and port it binds; a ``url`` given explicitly beats an inherited socket. The token
+        follows :func:`protocol.tokens.resolve_token`."""
         given = {k: v for k, v in overrides.items() if v is not None}
-        values: dict[str, Any] = {"url": daemon_url(os.environ)}
+        try:
+            env = ClientSettings()
+        except ValidationError as exc:
+            raise DaemonUnavailableError(
+                f"the environment does not say where the daemon is: {exc}"
+            ) from exc
+        values: dict[str, Any] = {"url": env.daemon_url()}
         if "url" not in given:
-            values["uds"] = os.environ.get("WEIGHT_CACHE_UDS") or None
-        values["standby_group"] = os.environ.get(STANDBY_GROUP_VARIABLE) or None
+            values["uds"] = env.uds
+        values["standby_group"] = env.standby_group
         values.update(given)
         values["token"] = resolve_token(given.get("token"), token_file)
         return cls(**values)
@@ -106,6 +106,17 @@ def _unavailable(config: ClientConfig, exc: Exception) -> DaemonUnavailableError
 _LIMITS = httpx.Limits(max_connections=256, max_keepalive_connections=256)
 
 
+class LeaseTerms(TypedDict, total=False):
+    """What a lease asks for besides the model; unsaid: rank 0 of 1 on the CUTLASS kernel in
+    the default format, for the daemon's default TTL."""
+
+    tp_rank: int
+    tp_size: int
+    kernel: str
+    format: str
+    ttl_s: float | None
+
+
 class _LeaseCall:
     """One lease request: its body (naming the layout this process holds, if any) and how to
     turn the daemon's answer into a grant with its manifest."""
@@ -114,11 +125,11 @@ class _LeaseCall:
         self,
         config: ClientConfig,
         model: str,
-        tp_rank: int,
-        tp_size: int,
-        kernel: str,
-        format: str,
-        ttl_s: float | None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        kernel: str = Kernel.cutlass.value,
+        format: str = WeightFormat.default.value,
+        ttl_s: float | None = None,
     ) -> None:
         self.key: LayoutKey = (config._base_url() + (config.uds or ""), model, tp_rank, tp_size)
         self.named = LAYOUTS.known(self.key) if config.cache_layouts else None
@@ -216,16 +227,8 @@ class _BaseClient:
     def _model(model_id: str) -> _Call[ModelInfo]:
         return _Call("GET", f"/v1/models/{model_id}", lambda r: parse_answer(ModelInfo, r.content))
 
-    def _lease(
-        self,
-        model: str,
-        tp_rank: int,
-        tp_size: int,
-        kernel: str,
-        format: str,
-        ttl_s: float | None,
-    ) -> _Call[LeaseGrant]:
-        lease = _LeaseCall(self.config, model, tp_rank, tp_size, kernel, format, ttl_s)
+    def _lease(self, model: str, **terms: Unpack[LeaseTerms]) -> _Call[LeaseGrant]:
+        lease = _LeaseCall(self.config, model, **terms)
         return _Call("POST", "/v1/leases", lease.grant, idempotent=False, json=lease.body)
 
     @staticmethod
@@ -286,17 +289,9 @@ class DaemonClient(_BaseClient):
     def model(self, model_id: str) -> ModelInfo:
         return self._send(self._model(model_id))
 
-    def lease(
-        self,
-        model: str,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        kernel: str = Kernel.cutlass.value,
-        format: str = WeightFormat.default.value,
-        ttl_s: float | None = None,
-    ) -> LeaseGrant:
+    def lease(self, model: str, **terms: Unpack[LeaseTerms]) -> LeaseGrant:
         """Lease one rank; the returned grant always carries the full manifest."""
-        return self._send(self._lease(model, tp_rank, tp_size, kernel, format, ttl_s))
+        return self._send(self._lease(model, **terms))
 
     def leases(self) -> list[LeaseInfo]:
         return self._send(self._leases())
@@ -357,17 +352,9 @@ class AsyncDaemonClient(_BaseClient):
     async def model(self, model_id: str) -> ModelInfo:
         return await self._send(self._model(model_id))
 
-    async def lease(
-        self,
-        model: str,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        kernel: str = Kernel.cutlass.value,
-        format: str = WeightFormat.default.value,
-        ttl_s: float | None = None,
-    ) -> LeaseGrant:
+    async def lease(self, model: str, **terms: Unpack[LeaseTerms]) -> LeaseGrant:
         """Lease one rank; the returned grant always carries the full manifest."""
-        return await self._send(self._lease(model, tp_rank, tp_size, kernel, format, ttl_s))
+        return await self._send(self._lease(model, **terms))
 
     async def leases(self) -> list[LeaseInfo]:
         return await self._send(self._leases())

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import logging
 from collections.abc import Iterator
-from typing import Any
 
 from protocol.errors import (
     AttachError,
@@ -23,29 +21,42 @@ from protocol.errors import (
     LeaseNotFoundError,
     WeightCacheError,
 )
+from protocol.logsafe import get_logger
 from protocol.reasons import Reason
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
-# Fallbacks by reason in this process (also exported to Prometheus where the client is installed).
+# Fallbacks by reason in this process; Prometheus reads them where its client is installed.
 FALLBACKS: collections.Counter[str] = collections.Counter()  # keys are Reason members
 PROMETHEUS_NAME = "weight_cache_engine_fallbacks"  # exposed as ..._total{reason}
 
 
-def _prometheus_counter() -> Any:
+def _export_to_prometheus() -> None:
+    """Register a collector that reads :data:`FALLBACKS` at scrape time, where
+    ``prometheus_client`` is installed (an engine's vLLM serves its registry)."""
     try:
-        from prometheus_client import REGISTRY, Counter
+        from prometheus_client import REGISTRY
+        from prometheus_client.core import CounterMetricFamily
+        from prometheus_client.registry import Collector
     except ImportError:
-        return None
+        return
+
+    class Fallbacks(Collector):
+        def collect(self) -> Iterator[CounterMetricFamily]:
+            family = CounterMetricFamily(
+                PROMETHEUS_NAME, "Engine loads that fell back to disk, by reason", labels=["reason"]
+            )
+            for reason, count in sorted(FALLBACKS.items()):
+                family.add_metric([Reason(reason).value], count)
+            yield family
+
     try:
-        return Counter(
-            PROMETHEUS_NAME, "Engine loads that fell back to disk, by reason", ["reason"]
-        )
-    except ValueError:  # registered already (this module imported twice under two names)
-        return REGISTRY._names_to_collectors.get(PROMETHEUS_NAME)
+        REGISTRY.register(Fallbacks())
+    except ValueError:  # this module imported twice under two names: the first one exports
+        log.debug("%s is exported already", PROMETHEUS_NAME)
 
 
-_PROM = _prometheus_counter()
+_export_to_prometheus()
 
 
 def reason_of(error: WeightCacheError) -> Reason:
@@ -89,8 +100,6 @@ def record_fallback(error: WeightCacheError, action: str) -> Reason:
     """Log (once, here), count and return the reason an engine is not attaching."""
     reason = reason_of(error)
     FALLBACKS[reason] += 1
-    if _PROM is not None:
-        _PROM.labels(reason=reason).inc()
     log.warning("weight-cache: %s (%s): %s", action, reason, error.detail)
     return reason
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from modelopt_fp8.processing.fp8 import quantize_per_token, quantize_static
-from protocol.schemas.layout import ActivationQuant, LayerLayout, Scheme
+from protocol.schemas.layout import ActivationQuant, LayerLayout
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def scaled_mm(
 def fp8_linear(x: torch.Tensor, w: Fp8LinearWeights) -> torch.Tensor:
     """``y = x W^T + b`` for a processed FP8 layer; ``x`` is ``[..., K]`` in bf16/fp16."""
     layout = w.layout
-    if layout.scheme is Scheme.unquantized:
+    if layout.activation_quant is ActivationQuant.none:  # an unquantized layer
         return torch.nn.functional.linear(x, w.weight, w.bias)
     x2d = x.reshape(-1, layout.input_size)
     a, scale_a = quantize_activation(x2d, w)

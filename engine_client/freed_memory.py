@@ -15,14 +15,14 @@ Both end at ``timeout_s``, with a warning: the engine then starts as it would ha
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Callable
 
+from protocol.logsafe import get_logger
 from protocol.processes import process_ended
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 GROWTH_BYTES = 64 << 20  # free memory that grows less than this between reads is settled
 POLL_S = 0.05

@@ -12,14 +12,15 @@ PID namespace): the standby then wakes at once.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 from collections.abc import Collection, Iterator
 from types import ModuleType
 from typing import Any
 
-log = logging.getLogger(__name__)
+from protocol.logsafe import get_logger
+
+log = get_logger(__name__)
 
 MARGIN_BYTES = 256 << 20  # room asked beyond what the engine gave back (allocator rounding)
 POLL_S = 0.01

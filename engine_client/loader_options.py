@@ -7,11 +7,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine_client.client import ClientConfig
+from engine_client.client import DEFAULT_TIMEOUT_S, ClientConfig
 
 
 class LoaderOptions(BaseModel):
-    """``--model-loader-extra-config`` keys; anything else is refused."""
+    """``--model-loader-extra-config`` keys; anything else is refused. Where the daemon is and
+    the token (``url``, ``uds``, ``token``, ``token_file``) beat the client's settings from the
+    environment (:class:`~protocol.client_settings.ClientSettings`), as a client command's flags
+    do."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -21,7 +24,7 @@ class LoaderOptions(BaseModel):
     token_file: str | None = None
     model: str | None = None
     fallback: bool = True
-    timeout: float = Field(default=10.0, gt=0)
+    timeout: float = Field(default=DEFAULT_TIMEOUT_S, gt=0)
     wait: float = Field(default=0.0, ge=0)
     verify_checksums: bool = False
     handle_socket: str | None = Field(

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import logging
 import os
 import time
 from collections.abc import Callable
@@ -41,10 +40,11 @@ from protocol.errors import (
     ParkingNotFoundError,
     WeightCacheError,
 )
+from protocol.logsafe import get_logger
 from protocol.schemas.leases import LeaseInfo
 from protocol.schemas.parking import MAX_WAIT_S, ParkedEngine, ParkRequest, ParkState
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 T = TypeVar("T")
 
 HEALTH_POLL_S = 0.25

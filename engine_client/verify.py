@@ -15,11 +15,12 @@ import torch
 from modelopt_fp8.checkpoint import DEFAULT_TIER, Checkpoint, Fingerprint, IdentityTier
 from modelopt_fp8.checkpoint.fingerprint import checkpoint_fingerprint
 from modelopt_fp8.checkpoint.quant_config import QuantConfig
+from modelopt_fp8.schemes import SCHEMES, scheme_named
 from protocol.checksum import storage_checksum
 from protocol.devices import Placement
 from protocol.errors import VerificationError
 from protocol.reasons import Reason
-from protocol.schemas.layout import Kernel, Scheme, WeightFormat
+from protocol.schemas.layout import Kernel, WeightFormat
 from protocol.schemas.leases import LeaseGrant
 from protocol.schemas.manifest import CudaFdHandle, CudaIpcHandle, DeviceKind, Manifest
 from protocol.version import PROTOCOL_VERSION
@@ -39,9 +40,9 @@ class Expectations:
     fingerprint: Fingerprint | None = None  # the engine's own copy, at the tier it chose
     quant: QuantConfig | None = None  # the engine's reading of its quantization config
     verify_checksums: bool = False
-    # Layers the engine cannot take pre-processed: names it will refuse rather than reprocess.
-    supported_schemes: frozenset[Scheme] = field(
-        default_factory=lambda: frozenset({Scheme.fp8, Scheme.fp8_pc_pt, Scheme.unquantized})
+    # The schemes (by name) whose layers the engine takes pre-processed; it refuses the others.
+    supported_schemes: frozenset[str] = field(
+        default_factory=lambda: frozenset(scheme.name for scheme in SCHEMES)
     )
 
     @classmethod
@@ -140,33 +141,15 @@ def _check_layers(manifest: Manifest, expect: Expectations) -> None:
         if layer.scheme not in expect.supported_schemes:
             raise _fail(
                 Reason.unsupported_layer,
-                f"{layer.name} is {layer.scheme.value}, which this engine cannot take "
-                "pre-processed",
+                f"{layer.name} is {layer.scheme}, which this engine cannot take pre-processed",
                 layer=layer.name,
             )
-        if layer.scheme is not Scheme.unquantized:
-            if layer.kernel.value != expect.kernel:
-                raise _fail(
-                    Reason.kernel_mismatch,
-                    f"{layer.name} was processed for {layer.kernel.value}, the engine "
-                    f"selected {expect.kernel}",
-                    layer=layer.name,
-                )
-            if layer.format.value != expect.format:
-                raise _fail(
-                    Reason.format_mismatch,
-                    f"{layer.name} is in format {layer.format.value}, the engine expects "
-                    f"{expect.format}",
-                    layer=layer.name,
-                )
-            if layer.processed_weight_dims != (0, 1):
-                raise _fail(Reason.manifest_invalid, f"{layer.name} has no [K, N] weight view")
-        mine = expect.quant.scheme_for(layer.name) if expect.quant is not None else layer.scheme
-        if layer.scheme is not mine:
+        scheme_named(layer.scheme).check_leased(layer, expect.kernel, expect.format)
+        mine = expect.quant.scheme_for(layer.name).name if expect.quant else layer.scheme
+        if layer.scheme != mine:
             raise _fail(
                 Reason.scheme_mismatch,
-                f"{layer.name} is {layer.scheme.value} in the lease but {mine.value} for this "
-                "engine",
+                f"{layer.name} is {layer.scheme} in the lease but {mine} for this engine",
                 layer=layer.name,
             )
 

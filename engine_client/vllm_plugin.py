@@ -7,9 +7,9 @@ skipped.
 
 from __future__ import annotations
 
-import logging
+from protocol.logsafe import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 def register() -> None:

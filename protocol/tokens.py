@@ -8,7 +8,9 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
+from protocol.client_settings import TOKEN, TOKEN_FILE
 from protocol.errors import UnauthorizedError
+from protocol.setting import setting_of
 
 
 def read_token_file(path: str | Path) -> str:
@@ -63,8 +65,8 @@ def exposed_token_file(path: str | Path) -> str | None:
     return None
 
 
-TOKEN_VARIABLE = "WEIGHT_CACHE_TOKEN"
-TOKEN_FILE_VARIABLE = "WEIGHT_CACHE_TOKEN_FILE"
+TOKEN_VARIABLE = setting_of(TOKEN).variable
+TOKEN_FILE_VARIABLE = setting_of(TOKEN_FILE).variable
 
 
 def choose_token(

@@ -25,6 +25,7 @@ from pydantic import SecretStr
 
 from modelopt_fp8.checkpoint.opened import PathPolicy
 from protocol.errors import LeaseNotYoursError, ModelInUseError, WeightCacheError
+from protocol.logsafe import get_logger
 from protocol.schemas.health import Health, Readiness
 from protocol.schemas.inventory import Inventory
 from protocol.schemas.leases import LeaseInfo, LeaseRequest
@@ -32,7 +33,6 @@ from protocol.schemas.manifest import ArenaDescriptor, DaemonIdentity
 from protocol.schemas.models import ModelInfo
 from protocol.version import PROTOCOL_VERSION, __version__
 from service.keeper.custody import Custody
-from service.logsafe import get_logger
 from service.memory.devices import collect_ipc_handles, device_infos, use_plain_cuda_allocations
 from service.memory.shm import ArenaDir, remove_stale_files
 from service.metrics import Metrics, StateSnapshot

@@ -18,11 +18,10 @@ import torch
 from safetensors.torch import save_file
 
 from modelopt_fp8.checkpoint.architecture import LinearSpec, ModelDims, linear_specs
-from modelopt_fp8.checkpoint.quant_config import FP8, FP8_PER_CHANNEL_PER_TOKEN
-from modelopt_fp8.processing.fp8 import FP8_DTYPE, FP8_MAX
+from modelopt_fp8.schemes import LinearScheme, demo_schemes
 from protocol.version import __version__
 
-SCHEMES = {"fp8": FP8, "fp8-pc-pt": FP8_PER_CHANNEL_PER_TOKEN}
+SCHEMES = demo_schemes()  # by demo name: fp8, fp8-pc-pt
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -130,35 +129,20 @@ class _Generator:
     def uniform(self, low: float, high: float) -> float:
         return low + (high - low) * float(torch.rand((), generator=self.gen, device=self.device))
 
-    def quantized(
-        self, rows: int, cols: int, per_channel: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A weight quantized as ModelOpt does: (e4m3 weight, float32 scale)."""
-        w = self.normal(rows, cols, std=0.02 * self.uniform(0.5, 2.0))
-        if per_channel:
-            scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
-            q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        else:
-            scale = (w.abs().amax() / FP8_MAX).clamp(min=1e-12)
-            q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        return q.cpu(), scale.to(torch.float32).cpu()
+    def weight(self, rows: int, cols: int) -> torch.Tensor:
+        """A float weight of a random spread, as a scheme quantizes it."""
+        return self.normal(rows, cols, std=0.02 * self.uniform(0.5, 2.0))
 
 
 def _linear_tensors(
-    spec: LinearSpec, per_channel: bool, kv_cache: bool, gen: _Generator
+    spec: LinearSpec, scheme: LinearScheme, kv_cache: bool, gen: _Generator
 ) -> Iterator[tuple[str, torch.Tensor]]:
     # ModelOpt gives the projections that share an input (the shards of one fused layer) the
     # same input scale, and each its own weight scale.
     input_scale = gen.uniform(0.005, 0.05)
     for shard in spec.shards:
-        weight, scale = gen.quantized(shard.rows, spec.input_size, per_channel)
-        yield f"{shard.checkpoint_prefix}.weight", weight
-        yield f"{shard.checkpoint_prefix}.weight_scale", scale
-        if not per_channel:
-            yield (
-                f"{shard.checkpoint_prefix}.input_scale",
-                torch.tensor(input_scale, dtype=torch.float32),
-            )
+        weight = gen.weight(shard.rows, spec.input_size)
+        yield from scheme.export(shard.checkpoint_prefix, weight, input_scale)
         if spec.has_bias:
             yield f"{shard.checkpoint_prefix}.bias", gen.bf16((shard.rows,), 0.02)
         if kv_cache and shard.shard_id in ("k", "v"):
@@ -168,9 +152,10 @@ def _linear_tensors(
             )
 
 
-def _tensors(shape: DemoShape, algo: str, gen: _Generator) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(
+    shape: DemoShape, scheme: LinearScheme, gen: _Generator
+) -> Iterator[tuple[str, torch.Tensor]]:
     d = shape.dims
-    per_channel = algo == FP8_PER_CHANNEL_PER_TOKEN
     norm_names = {
         "qkv_proj": "input_layernorm",
         "gate_up_proj": "post_attention_layernorm",
@@ -181,7 +166,7 @@ def _tensors(shape: DemoShape, algo: str, gen: _Generator) -> Iterator[tuple[str
         if kind in norm_names:
             block = layer_prefix.rsplit(".", 1)[0]
             yield f"{block}.{norm_names[kind]}.weight", gen.bf16((d.hidden_size,), 0.1) + 1.0
-        yield from _linear_tensors(spec, per_channel, shape.kv_cache, gen)
+        yield from _linear_tensors(spec, scheme, shape.kv_cache, gen)
     yield "model.norm.weight", gen.bf16((d.hidden_size,), 0.1) + 1.0
     if not d.tie_word_embeddings:
         yield "lm_head.weight", gen.bf16((d.vocab_size, d.hidden_size), 0.02)
@@ -224,7 +209,8 @@ def write_demo_checkpoint(
         raise ValueError(f"scheme must be one of {sorted(SCHEMES)}")
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {sorted(SHAPES)}")
-    algo, demo = SCHEMES[scheme], SHAPES[shape]
+    quantized, demo = SCHEMES[scheme], SHAPES[shape]
+    algo = str(quantized.quant_algo)
     out.mkdir(parents=True, exist_ok=True)
     gen = _Generator(seed, device)
     current: dict[str, torch.Tensor] = {}
@@ -236,7 +222,7 @@ def write_demo_checkpoint(
         files.append(list(current))
         current.clear()
 
-    for name, tensor in _tensors(demo, algo, gen):
+    for name, tensor in _tensors(demo, quantized, gen):
         nbytes = tensor.numel() * tensor.element_size()
         if current and size + nbytes > shard_bytes:
             flush()

@@ -1,65 +1,27 @@
-"""The ``WEIGHT_CACHE_*`` variables: those the daemon's settings read (from
-:class:`service.settings.DaemonSettings` itself) and the few read elsewhere, and the rule that
-refuses any other, so a typo never passes silently."""
+"""The ``WEIGHT_CACHE_*`` variables: every one a settings model reads (the daemon's, the command's
+logging, a client's, the benchmarks'), and the rule that refuses any other, so a typo never passes
+silently."""
 
 from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 
-from service.setting import ENV_PREFIX, setting_of
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings
+
+from protocol.client_settings import BenchSettings, ClientSettings
+from protocol.setting import ENV_PREFIX, Setting, setting_of
+from service.logs import LogSettings
 from service.settings import DaemonSettings
 
-
-@dataclass(frozen=True)
-class Variable:
-    """A variable read outside the daemon's settings, as the README's table lists it."""
-
-    name: str
-    flag: str  # the option it stands for, if any
-    default: str
-    help: str
-
-
-# Read by the ``weight-cache`` command itself (its --log-* options take them as their envvar),
-# by every client command and the engine loader (URL; the clients also read the daemon's HOST,
-# PORT, UDS, TOKEN and TOKEN_FILE), and by the benchmarks (BENCH_DIR).
-LOG_LEVEL = Variable(
-    f"{ENV_PREFIX}LOG_LEVEL",
-    "--log-level",
-    "INFO",
-    "Level of every log line, uvicorn's included",
-)
-LOG_FORMAT = Variable(
-    f"{ENV_PREFIX}LOG_FORMAT",
-    "--log-format",
-    "text",
-    "text, or json (one object per line)",
-)
-OTHER_VARIABLES = (
-    LOG_LEVEL,
-    LOG_FORMAT,
-    Variable(
-        f"{ENV_PREFIX}URL",
-        "--url",
-        f"from {ENV_PREFIX}HOST/{ENV_PREFIX}PORT",
-        "Where client commands (status, attach) and the engine find the daemon",
-    ),
-    Variable(
-        f"{ENV_PREFIX}STANDBY_GROUP",
-        "",
-        "unset",
-        "Set by `weight-cache standby` for the engine it starts: the group its leases are "
-        "taken under, so they count as serving only once the standby is released",
-    ),
-    Variable(
-        f"{ENV_PREFIX}BENCH_DIR",
-        "",
-        "~/.cache/weight-cache/bench",
-        "Where the benchmarks write their demo checkpoints",
-    ),
+# Every model whose fields read WEIGHT_CACHE_* variables, the daemon's first (the README's order).
+SETTINGS_MODELS: tuple[type[BaseSettings], ...] = (
+    DaemonSettings,
+    LogSettings,
+    ClientSettings,
+    BenchSettings,
 )
 
 
@@ -68,9 +30,29 @@ def env_names(field: str) -> list[str]:
     return list(setting_of(DaemonSettings.model_fields[field]).variables)
 
 
+def other_settings() -> Iterator[tuple[FieldInfo, Setting]]:
+    """The fields of the models other than the daemon's that read a variable the daemon does not
+    (a client reads the daemon's ``PORT`` as the daemon does: one field, listed once)."""
+    seen = {
+        n for field in DaemonSettings.model_fields.values() for n in setting_of(field).variables
+    }
+    for model in SETTINGS_MODELS[1:]:
+        for field in model.model_fields.values():
+            described = setting_of(field)
+            if not seen.issuperset(described.variables):
+                seen.update(described.variables)
+                yield field, described
+
+
 def known_variables() -> list[str]:
-    names = [n for field in DaemonSettings.model_fields for n in env_names(field)]
-    return sorted({*names, *(v.name for v in OTHER_VARIABLES)})
+    return sorted(
+        {
+            name
+            for model in SETTINGS_MODELS
+            for field in model.model_fields.values()
+            for name in setting_of(field).variables
+        }
+    )
 
 
 def check_environment(environ: Mapping[str, str] | None = None) -> None:

@@ -15,19 +15,31 @@ import sys
 import time
 from typing import Any, TextIO
 
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from protocol.logsafe import escape_controls
+from protocol.setting import ENV_PREFIX, setting
+
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Loggers that would otherwise keep a level or handler of their own.
 _FRAMEWORK_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "fastapi")
 
-_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
-_ESCAPES.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
 
+class LogSettings(BaseSettings):
+    """How every ``weight-cache`` command logs (the group's options, a subcommand's too)."""
 
-def escape_controls(text: str) -> str:
-    r"""``text`` with C0/C1 control characters written as escapes (``\n``, ``\x1b``)."""
-    return text.translate(_ESCAPES)
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="ignore", env_ignore_empty=True, populate_by_name=True
+    )
+
+    log_level: str = setting(
+        "INFO", flag="--log-level", help="Level of every log line, uvicorn's included"
+    )
+    log_format: str = setting(
+        "text", flag="--log-format", help="text, or json (one object per line)"
+    )
 
 
 class TextFormatter(logging.Formatter):

@@ -1,12 +1,13 @@
 """Daemon configuration: one definition per setting, read from ``WEIGHT_CACHE_*`` variables and
 overridden by ``weight-cache serve``'s flags.
 
-Each field of :class:`DaemonSettings` is declared with :func:`service.setting.setting`, which
+Each field of :class:`DaemonSettings` is declared with :func:`protocol.setting.setting`, which
 carries its flag, its environment variable (named after the flag; older spellings still read),
 its help and its default. The command's options, the known-variable rules that refuse a typo
 and the README's settings table are all made from these fields; nothing else lists a setting.
 
-How to add one: :mod:`service.setting`.
+How to add one: :mod:`protocol.setting`. Where the daemon listens and its token are declared in
+:mod:`protocol.client_settings`, whose clients read them too.
 
 Options that take several values (``list`` fields) read them from their variable separated by
 ``:``, as ``PATH`` does.
@@ -30,13 +31,14 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from protocol.client_settings import HOST, PORT, TOKEN, TOKEN_FILE, UDS
 from protocol.errors import UnauthorizedError
+from protocol.schemas.tensor_parallel import MAX_TP_SIZE
+from protocol.setting import ENV_PREFIX, setting, setting_of
 from protocol.tokens import choose_token, clean_token, exposed_token_file, read_token_file
-from protocol.version import DEFAULT_PORT
 from service.run_dir import default_run_dir
-from service.setting import ENV_PREFIX, setting
 
-__all__ = ["DEFAULT_PORT", "DaemonSettings"]
+__all__ = ["DaemonSettings"]
 
 MIN_EXPOSED_TOKEN_CHARS = 16  # for a bind other than loopback or a Unix socket
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -65,9 +67,9 @@ class DaemonSettings(BaseSettings):
     model_id: str | None = setting(
         None, flag="--model-id", help="Id of the first --model", shown="its directory name"
     )
-    host: str = setting("127.0.0.1", flag="--host", help="Address to bind")
-    port: int = setting(DEFAULT_PORT, flag="--port", help="TCP port", ge=0, le=65535)
-    uds: Path | None = setting(None, flag="--uds", help="Serve on this Unix socket instead of TCP")
+    host: str = HOST
+    port: int = PORT
+    uds: Path | None = UDS
     device: str = setting(
         "auto", flag="--device", help="auto, cpu, cuda (rank r on GPU r) or cuda:N"
     )
@@ -78,17 +80,10 @@ class DaemonSettings(BaseSettings):
         older=("TP_SIZE",),
         help="Tensor-parallel size of the --model loads",
         ge=1,
-        le=64,
+        le=MAX_TP_SIZE,
     )
-    token: SecretStr | None = setting(
-        None, variable="TOKEN", help="The bearer token itself (a --token-file wins)"
-    )
-    token_file: Path | None = setting(
-        None,
-        flag="--token-file",
-        help="File holding the bearer token every route but /health and /ready needs",
-        checked_by_cli=True,
-    )
+    token: SecretStr | None = TOKEN
+    token_file: Path | None = TOKEN_FILE
     allowed_roots: Annotated[list[Path], NoDecode] = setting(
         flag="--allowed-root",
         default_factory=list,
@@ -370,8 +365,8 @@ class DaemonSettings(BaseSettings):
             return
         if self.token is None:
             raise ValueError(
-                f"refusing to bind {self.host} without a token: set --token-file or "
-                "WEIGHT_CACHE_TOKEN, or bind a loopback address or a Unix socket"
+                f"refusing to bind {self.host} without a token: set {_flag('token_file')} or "
+                f"{_variable('token')}, or bind a loopback address or a Unix socket"
             )
         strength = sum(1 for c in self.token.get_secret_value() if not c.isspace())
         if strength < MIN_EXPOSED_TOKEN_CHARS:
@@ -382,12 +377,21 @@ class DaemonSettings(BaseSettings):
 
     def check_directories(self) -> None:
         """Directories the daemon needs must exist before it binds or loads anything."""
-        needed: list[tuple[str, Path]] = [("--shm-dir", self.shm_dir)]
-        needed += [("--allowed-root", root) for root in self.allowed_roots]
+        needed: list[tuple[str, Path]] = [(_flag("shm_dir"), self.shm_dir)]
+        needed += [(_flag("allowed_roots"), root) for root in self.allowed_roots]
         if self.uds is not None:
-            needed.append(("--uds (its directory)", self.uds.parent))
+            needed.append((f"{_flag('uds')} (its directory)", self.uds.parent))
         for flag, path in needed:
             if not path.is_dir():
                 raise ValueError(f"{flag} {path} is not an existing directory")
         if not os.access(self.shm_dir, os.W_OK | os.X_OK):
-            raise ValueError(f"--shm-dir {self.shm_dir} is not writable by this user")
+            raise ValueError(f"{_flag('shm_dir')} {self.shm_dir} is not writable by this user")
+
+
+def _flag(field: str) -> str:
+    """The flag of the daemon's setting ``field``, for the messages that name it."""
+    return setting_of(DaemonSettings.model_fields[field]).flag
+
+
+def _variable(field: str) -> str:
+    return setting_of(DaemonSettings.model_fields[field]).variable

@@ -68,7 +68,7 @@ def copy_of(tmp_path: Path):
 @pytest.fixture
 def daemon_process(tmp_path: Path, tiny_fp8: Path):
     """A real daemon process serving the tiny FP8 demo checkpoint as model ``tiny``."""
-    from tests.daemon_process import start_daemon
+    from harness.daemon_process import start_daemon
 
     daemon = start_daemon(tmp_path, [tiny_fp8], "--model-id", "tiny")
     yield daemon
@@ -79,7 +79,7 @@ def daemon_process(tmp_path: Path, tiny_fp8: Path):
 def held_load(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """Every model load in this process waits, once planned, until the returned event is set
     (set at teardown too, so a failing test never leaves a load hanging)."""
-    from modelopt_fp8.processing import execute_plan
+    from modelopt_fp8.processing.execute import execute_plan
 
     gate = threading.Event()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from tests.checkpoint_tools import rewrite_header, rewrite_json, rewrite_tensors
+from harness.checkpoint_tools import rewrite_header, rewrite_json, rewrite_tensors
 
 Q = "model.layers.0.self_attn.q_proj"
 

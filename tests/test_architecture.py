@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("protocol", "modelopt_fp8", "service", "engine_client", "weight_cache_cli")
+PRODUCT = ("protocol", "modelopt_fp8", "service", "engine_client", "weight_cache_cli")
+PACKAGES = (*PRODUCT, "harness", "tests", "bench")
 # What each package may import of the project, besides itself.
 ALLOWED: dict[str, set[str]] = {
     "protocol": set(),
@@ -17,6 +18,10 @@ ALLOWED: dict[str, set[str]] = {
     "service": {"protocol", "modelopt_fp8"},
     "engine_client": {"protocol", "modelopt_fp8"},
     "weight_cache_cli": {"protocol", "modelopt_fp8", "service", "engine_client"},
+    # What the tests and the benchmarks run the product with; neither imports the other.
+    "harness": set(PRODUCT),
+    "tests": {*PRODUCT, "harness"},
+    "bench": {*PRODUCT, "harness"},
 }
 
 
@@ -32,6 +37,7 @@ def _modules() -> dict[str, Path]:
         _module_name(path): path
         for package in PACKAGES
         for path in sorted((ROOT / package).rglob("*.py"))
+        if "fixtures" not in path.relative_to(ROOT).parts  # generated checkpoints' scripts
     }
 
 
@@ -68,15 +74,37 @@ def _graph() -> dict[str, set[str]]:
     return {name: _imports(name, path, known) for name, path in modules.items()}
 
 
-def test_packages_import_only_what_they_may() -> None:
-    forbidden = sorted(
+def _forbidden(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
         f"{module} imports {target}"
-        for module, targets in _graph().items()
+        for module, targets in graph.items()
         for target in targets
         if (top := target.split(".")[0]) != module.split(".")[0]
         and top not in ALLOWED[module.split(".")[0]]
     )
-    assert forbidden == []
+
+
+def test_packages_import_only_what_they_may() -> None:
+    assert _forbidden(_graph()) == []
+
+
+@pytest.mark.parametrize(
+    ("graph", "expected"),
+    [
+        ({"bench.lease": {"tests.waiting"}}, ["bench.lease imports tests.waiting"]),
+        ({"tests.x": {"bench.common"}}, ["tests.x imports bench.common"]),
+        ({"harness.y": {"tests.conftest"}}, ["harness.y imports tests.conftest"]),
+        (
+            {"service.daemon": {"engine_client.client"}},
+            ["service.daemon imports engine_client.client"],
+        ),
+        ({"bench.lease": {"harness.waiting", "service.daemon"}}, []),
+    ],
+)
+def test_the_import_rule_sees_an_upward_import(
+    graph: dict[str, set[str]], expected: list[str]
+) -> None:
+    assert _forbidden(graph) == expected
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -7,9 +7,10 @@ restates:
 1. weight loaders: ``QKVParallelLinear``/``MergedColumnParallelLinear`` narrow each shard's rows
    to the rank (kv heads replicated past their count), ``RowParallelLinear`` narrows columns;
    per-tensor scales land at their shard index, per-channel scales narrow like the rows.
-2. ``KFp8StaticTensor.process`` (``modelopt.py:2177-2207``) with ``requantize_with_max_scale``
-   (``w8a8_utils.py:75-105``), or ``KFp8StaticChannel.process`` (``modelopt.py:2241-2250``).
-3. ``CutlassFP8ScaledMMLinearKernel.process_weights_after_loading`` (``cutlass.py:205-233``).
+2. ``KFp8StaticTensor.process`` (``quantization/modelopt.py``) with
+   ``w8a8_utils.requantize_with_max_scale``, or ``KFp8StaticChannel.process`` (the same file).
+3. ``CutlassFP8ScaledMMLinearKernel.process_weights_after_loading``
+   (``kernels/linear/scaled_mm/cutlass.py``).
 
 The CUDA arithmetic of ``per_tensor_dequantize`` and ``static_scaled_fp8_quant`` is restated in
 float64 numpy-free torch, rounding explicitly where the GPU rounds.

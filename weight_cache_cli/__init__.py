@@ -10,11 +10,12 @@ from __future__ import annotations
 import click
 
 from protocol.version import __version__
-from service.env import LOG_FORMAT, LOG_LEVEL, check_environment
-from service.logs import FORMATS, LEVELS, configure_logging
+from service.env import check_environment
+from service.logs import configure_logging
 from weight_cache_cli.attach import attach_command
 from weight_cache_cli.demo import demo_checkpoint
 from weight_cache_cli.keeper import keeper
+from weight_cache_cli.log_options import group_log_options
 from weight_cache_cli.openapi import openapi
 from weight_cache_cli.parking import parking
 from weight_cache_cli.serve import SettingsError, serve
@@ -25,24 +26,7 @@ from weight_cache_cli.status import status
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="weight-cache")
-@click.option(
-    "--log-level",
-    envvar=LOG_LEVEL.name,
-    default=LOG_LEVEL.default,
-    show_default=True,
-    show_envvar=True,
-    type=click.Choice(LEVELS, case_sensitive=False),
-    help=f"{LOG_LEVEL.help}.",
-)
-@click.option(
-    "--log-format",
-    envvar=LOG_FORMAT.name,
-    default=LOG_FORMAT.default,
-    show_default=True,
-    show_envvar=True,
-    type=click.Choice(FORMATS, case_sensitive=False),
-    help=f"{LOG_FORMAT.help}.",
-)
+@group_log_options
 def cli(log_level: str, log_format: str) -> None:
     """Keep ModelOpt FP8 weights processed and resident; lend them to vLLM engines.
 

@@ -15,6 +15,7 @@ from weight_cache_cli.options import client_config, daemon_options
 if TYPE_CHECKING:  # imported when the command runs: `weight-cache --help` needs no torch
     import torch
 
+    from engine_client.attach import Attachment
     from engine_client.client import DaemonClient
     from protocol.schemas.layout import LayerLayout
 
@@ -95,10 +96,7 @@ def attach_command(
     as_json: bool,
 ) -> None:
     """Attach to a model as an engine would and run every layer on a fixed input."""
-    import torch
-
     from engine_client.attach import attach
-    from engine_client.checkpoint_read import read_checkpoint
     from engine_client.client import DaemonClient
     from engine_client.fallback import reason_of
     from engine_client.verify import Expectations
@@ -106,9 +104,7 @@ def attach_command(
     from protocol.errors import WeightCacheError
 
     config = client_config(url, uds, token_file)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = _device(device)
     try:
         with DaemonClient(config) as client:
             model_id = model_id or _pick_model(client)
@@ -123,28 +119,9 @@ def attach_command(
         )
         with attach(model_id, expect, config=config, keep_alive=False) as att:
             outputs = run_layers(att.layers, att.tensors, dev)
-            report: dict[str, Any] = {
-                "model": model_id,
-                "device": str(dev),
-                "tensors": len(att.tensors),
-                "layers": len(att.layers),
-                "bytes": att.nbytes,
-                "lease_ms": round(att.timings.lease_ms, 3),
-                "attach_ms": round(att.timings.attach_ms, 3),
-                "open_ms": round(att.timings.open_ms, 3),
-                "rebuild_ms": round(att.timings.rebuild_ms, 3),
-                "verify_ms": round(att.timings.verify_ms, 3),
-                "zero_copy": att.zero_copy(),
-                "matches_disk_load": None,
-            }
+            report = _report(att, model_id, dev)
             if check:
-                start = time.perf_counter()
-                disk, layers = read_checkpoint(path, dev, tp_rank, tp_size)
-                report["disk_load_ms"] = round((time.perf_counter() - start) * 1e3, 3)
-                expected = run_layers(layers, disk, dev)
-                report["matches_disk_load"] = layers == att.layers and all(
-                    torch.equal(outputs[name], expected[name]) for name in expected
-                )
+                report.update(_against_disk(path, dev, tp_rank, tp_size, att.layers, outputs))
     except WeightCacheError as exc:
         raise click.ClickException(
             f"{exc.explain(cli=True)} (reason: {reason_of(exc).value})"
@@ -156,3 +133,53 @@ def attach_command(
         click.echo(f"{key:>18}: {value}")
     if check and not report["matches_disk_load"]:
         raise click.ClickException("attached layers differ from an ordinary load")
+
+
+def _device(name: str) -> torch.device:
+    """``auto``: the first GPU when there is one, else the CPU."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def _report(att: Attachment, model_id: str, dev: torch.device) -> dict[str, Any]:
+    """What the attachment holds and what each of its steps took."""
+    timings = att.timings
+    return {
+        "model": model_id,
+        "device": str(dev),
+        "tensors": len(att.tensors),
+        "layers": len(att.layers),
+        "bytes": att.nbytes,
+        "lease_ms": round(timings.lease_ms, 3),
+        "attach_ms": round(timings.attach_ms, 3),
+        "open_ms": round(timings.open_ms, 3),
+        "rebuild_ms": round(timings.rebuild_ms, 3),
+        "verify_ms": round(timings.verify_ms, 3),
+        "zero_copy": att.zero_copy(),
+        "matches_disk_load": None,
+    }
+
+
+def _against_disk(
+    path: Path,
+    dev: torch.device,
+    tp_rank: int,
+    tp_size: int,
+    leased: list[LayerLayout],
+    outputs: dict[str, torch.Tensor],
+) -> dict[str, Any]:
+    """An ordinary load of ``path``: how long it took, and whether its layers and outputs are
+    the leased ones'."""
+    import torch
+
+    from engine_client.checkpoint_read import read_checkpoint
+
+    start = time.perf_counter()
+    disk, layers = read_checkpoint(path, dev, tp_rank, tp_size)
+    took_ms = round((time.perf_counter() - start) * 1e3, 3)
+    expected = run_layers(layers, disk, dev)
+    same = layers == leased and all(torch.equal(outputs[n], expected[n]) for n in expected)
+    return {"disk_load_ms": took_ms, "matches_disk_load": same}

@@ -20,6 +20,10 @@ from typing import TYPE_CHECKING
 
 import click
 
+from protocol.client_settings import client_setting
+
+_PORT = client_setting("port")  # the daemon's --port, declared once for daemon and clients
+
 if TYPE_CHECKING:
     from service.api.unix_socket import PrivateSocket
     from service.settings import DaemonSettings
@@ -58,7 +62,7 @@ def _bind_tcp(host: str, port: int) -> socket.socket:
         if exc.errno == errno.EADDRINUSE:
             raise click.ClickException(
                 f"cannot listen on {host}:{port}: the address is in use (another weight-cache "
-                "daemon?); stop it, or choose another --port / WEIGHT_CACHE_PORT"
+                f"daemon?); stop it, or choose another {_PORT.flag} / {_PORT.variable}"
             ) from exc
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
     sock.set_inheritable(True)

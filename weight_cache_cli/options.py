@@ -4,9 +4,11 @@ to the variables the daemon itself reads, so a client finds the daemon it was co
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import click
+from protocol.client_settings import ClientSettings
+from weight_cache_cli.settings_options import settings_option
 
 if TYPE_CHECKING:
     from engine_client.client import ClientConfig
@@ -15,30 +17,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def daemon_options(command: F) -> F:
-    """``--url``, ``--uds`` and ``--token-file``."""
-    for option in reversed(
-        (
-            click.option(
-                "--url",
-                help="Daemon URL [default: $WEIGHT_CACHE_URL, else http://$WEIGHT_CACHE_HOST:"
-                "$WEIGHT_CACHE_PORT with the daemon's defaults 127.0.0.1 and 8470].",
-            ),
-            click.option(
-                "--uds", help="Daemon Unix socket, instead of --url [env: WEIGHT_CACHE_UDS]."
-            ),
-            click.option(
-                "--token-file",
-                type=click.Path(exists=True, dir_okay=False),
-                help="Bearer token file [env: WEIGHT_CACHE_TOKEN_FILE, or the token itself in "
-                "WEIGHT_CACHE_TOKEN; a file wins over a value, a flag over the environment].",
-            ),
-        )
-    ):
-        command = option(command)
+    """``--url``, ``--uds`` and ``--token-file``: the client's settings it takes as options."""
+    for name in reversed(ClientSettings.OPTIONS):
+        field = ClientSettings.model_fields[name]
+        command = settings_option(name, field, client=True)(command)
     return command
 
 
-def client_config(url: str | None, uds: str | None, token_file: str | None) -> ClientConfig:
+def client_config(url: str | None, uds: str | None, token_file: str | Path | None) -> ClientConfig:
     from engine_client.client import ClientConfig
 
     return ClientConfig.from_env(token_file, url=url, uds=uds)

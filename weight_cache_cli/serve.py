@@ -8,7 +8,6 @@ models load, beside an API that already answers. Each failure is one line and a 
 from __future__ import annotations
 
 import gc
-import logging
 import os
 import socket
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from protocol.logsafe import get_logger
 from weight_cache_cli.listen import bind, stopping_signal_deferred
 from weight_cache_cli.log_options import log_options
 from weight_cache_cli.settings_options import describe, environment_only, settings_options
@@ -24,11 +24,11 @@ if TYPE_CHECKING:  # imported when the command runs: `--help` needs neither torc
     from service.daemon import Daemon
     from service.settings import DaemonSettings
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 DEMO_MODEL_ID = "demo"
 
 EXIT_SETTINGS = 2  # a flag, variable, directory or checkpoint is wrong: fix the command
-EXIT_FAILED = 1  # the port is taken, or a startup model failed to load
+# Any other failure (the port is taken, a startup model failed to load) exits 1, click's status.
 
 
 class SettingsError(click.ClickException):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 from pydantic.fields import FieldInfo
 
-from service.setting import Setting, setting_of
+from protocol.setting import Setting, setting_of
 from service.settings import DaemonSettings
 
 if TYPE_CHECKING:
@@ -62,9 +62,10 @@ def _click_type(value: Any, field: FieldInfo, checked: bool) -> click.ParamType[
     return None  # text: the settings parse it (a size, a device, a group)
 
 
-def option_help(described: Setting, repeats: bool) -> str:
-    """The field's help with what --help adds: repeating, the default, the variables."""
-    text = described.help
+def option_help(described: Setting, repeats: bool, client: bool = False) -> str:
+    """The field's help (a client's, for a client's option) with what --help adds: repeating,
+    the default, the variables."""
+    text = (described.client_help if client else None) or described.help
     if repeats:
         text += " (repeatable; ':'-separated in the variable)"
     where = []
@@ -74,12 +75,12 @@ def option_help(described: Setting, repeats: bool) -> str:
     return f"{text} [{'; '.join(where)}]."
 
 
-def settings_option(name: str, field: FieldInfo) -> Callable[[F], F]:
+def settings_option(name: str, field: FieldInfo, client: bool = False) -> Callable[[F], F]:
     """The click option of settings field ``name`` (unset: ``None``, so the environment and the
-    field's default apply)."""
+    field's default apply); ``client``: worded for a client of the daemon."""
     described = setting_of(field)
     value, repeats = _value_type(field.annotation)
-    help_text = option_help(described, repeats)
+    help_text = option_help(described, repeats, client)
     if value is bool:
         flag = described.flag.removeprefix("--")
         return click.option(f"--{flag}/--no-{flag}", name, default=None, help=help_text)

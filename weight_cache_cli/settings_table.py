@@ -1,13 +1,16 @@
-"""The README's settings table, made from the settings model and the other variables
-(``make settings-table`` rewrites it; a test fails while the README's copy is stale)."""
+"""The README's settings table, made from the settings models: the daemon's, then the variables
+the others read besides (``make settings-table`` rewrites it; a test fails while the README's
+copy is stale)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from service.env import OTHER_VARIABLES
-from service.setting import setting_of
+from pydantic.fields import FieldInfo
+
+from protocol.setting import Setting, setting_of
+from service.env import other_settings
 from service.settings import DaemonSettings
 from weight_cache_cli.settings_options import repeats
 
@@ -25,23 +28,22 @@ def _code(names: tuple[str, ...] | list[str]) -> str:
     return first + (f" ({', '.join(others)})" if others else "")
 
 
+def _row(field: FieldInfo, described: Setting) -> str:
+    if field.annotation is bool:
+        flag = f"`{described.flag}`/`--no-{described.flag.removeprefix('--')}`"
+    elif described.flags:
+        flag = _code(described.flags) + (" (repeatable)" if repeats(field) else "")
+    else:
+        flag = "-"
+    cells = [flag, _code(described.variables), described.shown_default or "none", described.help]
+    return f"| {' | '.join(_cell(c) for c in cells)} |"
+
+
 def table() -> str:
-    """The Markdown table: one row per setting, then the variables read elsewhere."""
+    """The Markdown table: one row per setting of the daemon, then the other models' own."""
     rows = ["| flag | variable | default | meaning |", "| --- | --- | --- | --- |"]
-    for field in DaemonSettings.model_fields.values():
-        described = setting_of(field)
-        if field.annotation is bool:
-            flag = f"`{described.flag}`/`--no-{described.flag.removeprefix('--')}`"
-        elif described.flags:
-            flag = _code(described.flags) + (" (repeatable)" if repeats(field) else "")
-        else:
-            flag = "-"
-        cells = [flag, _code(described.variables), described.shown_default or "none"]
-        rows.append(f"| {' | '.join(_cell(c) for c in [*cells, described.help])} |")
-    for variable in OTHER_VARIABLES:
-        flag = f"`{variable.flag}`" if variable.flag else "-"
-        cells = [flag, f"`{variable.name}`", variable.default, variable.help]
-        rows.append(f"| {' | '.join(_cell(c) for c in cells)} |")
+    rows += [_row(field, setting_of(field)) for field in DaemonSettings.model_fields.values()]
+    rows += [_row(field, described) for field, described in other_settings()]
     return "\n".join(rows)
 
 

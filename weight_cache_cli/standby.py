@@ -4,7 +4,6 @@ model, and wakes when that one ends or an operator releases it (``weight-cache p
 
 from __future__ import annotations
 
-import logging
 import os
 import secrets
 import signal
@@ -15,9 +14,10 @@ from types import FrameType
 
 import click
 
+from protocol.logsafe import get_logger
 from weight_cache_cli.options import client_config, daemon_options
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 STOP_GRACE_S = 30.0
 EXIT_CANCELLED = 3  # an operator cancelled the standby: its engine was stopped

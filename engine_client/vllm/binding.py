@@ -22,9 +22,10 @@ from engine_client.vllm.internals import (
     set_processed_state,
     vocab_shard,
 )
+from modelopt_fp8.schemes import scheme_named
 from protocol.errors import VerificationError
 from protocol.reasons import Reason
-from protocol.schemas.layout import CarriedKind, CarriedLayout, LayerLayout, Scheme
+from protocol.schemas.layout import CarriedKind, CarriedLayout, LayerLayout
 
 __all__ = ["ModelParameters", "bind_attachment", "bind_linear"]
 
@@ -109,13 +110,11 @@ def bind_linear(
     params.replace(module, "weight", tensors[layout.weight])
     if layout.bias is not None:
         params.replace(module, "bias", tensors[layout.bias])
-    if layout.scheme is Scheme.unquantized:
-        return
-    params.replace(module, "weight_scale", tensors[layout.weight_scale or ""])
-    params.replace(
-        module, "input_scale", tensors[layout.input_scale] if layout.input_scale else None
-    )
-    set_processed_state(module, layout)
+    scheme = scheme_named(layout.scheme)
+    for leaf, name in scheme.bound_scales(layout).items():
+        params.replace(module, leaf, tensors[name] if name else None)
+    if scheme.sets_kernel_state:
+        set_processed_state(module, layout)
 
 
 def _check_vocab_shard(module: nn.Module, layout: CarriedLayout) -> None:

@@ -51,9 +51,9 @@ def local_checkpoint(model_config: Any) -> Path:
     return checkpoint
 
 
-class _ThisObject:
-    """A cache key that matches one object only (by identity), and keeps it alive while
-    cached so its id is not reused."""
+class _SameObject:
+    """A cache key equal only to a key for the same object (compared by identity, not by
+    value), which it keeps alive while cached so that its id is not reused."""
 
     __slots__ = ("obj",)
 
@@ -64,12 +64,12 @@ class _ThisObject:
         return id(self.obj)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _ThisObject) and other.obj is self.obj
+        return isinstance(other, _SameObject) and other.obj is self.obj
 
 
 @functools.lru_cache(maxsize=1)
 def _read_identity(
-    engine_start: _ThisObject, checkpoint: Path, tier: IdentityTier
+    engine_start: _SameObject, checkpoint: Path, tier: IdentityTier
 ) -> EngineCheckpoint:
     return EngineCheckpoint.read(checkpoint, tier)
 
@@ -80,7 +80,7 @@ def checkpoint_identity(
     """The identity of the checkpoint this engine start loads, read from its files once per
     engine start (``vllm_config``); a failed read is not kept, so the load reads again and
     reports it."""
-    return _read_identity(_ThisObject(vllm_config), local_checkpoint(model_config), tier)
+    return _read_identity(_SameObject(vllm_config), local_checkpoint(model_config), tier)
 
 
 def daemon_model(

@@ -60,7 +60,8 @@ __all__ = ["LOAD_STEPS", "Load"]
 T = TypeVar("T")
 
 
-def _made(value: T | None, what: str) -> T:
+def _made_by_an_earlier_step(value: T | None, what: str) -> T:
+    """``value``, which the step that makes it has set by now (a step out of order is a bug)."""
     if value is None:
         raise RuntimeError(f"no {what} yet: a step runs before the step that makes it")
     return value
@@ -90,11 +91,11 @@ class Load:
 
     @property
     def built(self) -> nn.Module:
-        return _made(self.model, "model")
+        return _made_by_an_earlier_step(self.model, "model")
 
     @property
     def leased(self) -> Attachment:
-        return _made(self.attachment, "attachment")
+        return _made_by_an_earlier_step(self.attachment, "attachment")
 
     def release(self) -> None:
         """Give the lease back, if this load holds one (a load that failed after attaching)."""
@@ -146,8 +147,8 @@ def check_kernel(load: Load) -> None:
 
 def attach(load: Load) -> None:
     load.attachment = attach_waiting(
-        _made(load.model_id, "model id"),
-        _made(load.expect, "expectations"),
+        _made_by_an_earlier_step(load.model_id, "model id"),
+        _made_by_an_earlier_step(load.expect, "expectations"),
         load.client_config,
         load.options.wait,
     )

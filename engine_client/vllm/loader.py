@@ -22,7 +22,6 @@ engine sees it), ``park`` (wait before the load until the daemon releases this e
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,11 +47,12 @@ from engine_client.vllm.load_steps import LOAD_STEPS, Load
 from engine_client.vllm.startup import before_memory_snapshot, fit_standby_budget
 from engine_client.vllm.steps import run_steps
 from protocol.errors import VerificationError, WeightCacheError
+from protocol.logsafe import get_logger
 from protocol.reasons import Reason
 
 __all__ = ["LOAD_FORMAT", "WeightCacheModelLoader", "before_load_window"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 LOAD_FORMAT = "weight_cache"
 

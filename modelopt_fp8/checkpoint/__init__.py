@@ -8,18 +8,10 @@ from modelopt_fp8.checkpoint.fingerprint import (
     IdentityTier,
     checkpoint_fingerprint,
 )
-from modelopt_fp8.checkpoint.quant_config import (
-    FP8,
-    FP8_PER_CHANNEL_PER_TOKEN,
-    SUPPORTED_QUANT_ALGOS,
-    QuantConfig,
-)
+from modelopt_fp8.checkpoint.quant_config import QuantConfig
 
 __all__ = [
     "DEFAULT_TIER",
-    "FP8",
-    "FP8_PER_CHANNEL_PER_TOKEN",
-    "SUPPORTED_QUANT_ALGOS",
     "Checkpoint",
     "Fingerprint",
     "IdentityTier",

@@ -146,55 +146,33 @@ def read_dims(config: dict[str, Any], source: str) -> ModelDims:
     )
 
 
+def _row_parallel(prefix: str, output_size: int, input_size: int, bias: bool) -> LinearSpec:
+    """A ``RowParallelLinear``: one checkpoint projection, its input split over the ranks."""
+    shards = (ShardSpec(prefix, "0", output_size),)
+    return LinearSpec(prefix, Parallelism.ROW, shards, input_size, bias)
+
+
 def linear_specs(dims: ModelDims) -> list[LinearSpec]:
     """Every linear layer of the decoder stack, in the order vLLM creates them."""
     specs: list[LinearSpec] = []
     h, inter = dims.hidden_size, dims.intermediate_size
     for i in range(dims.num_hidden_layers):
         attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        specs.append(
-            LinearSpec(
-                prefix=f"{attn}.qkv_proj",
-                parallelism=Parallelism.QKV,
-                shards=(
-                    ShardSpec(f"{attn}.q_proj", "q", dims.q_size),
-                    ShardSpec(f"{attn}.k_proj", "k", dims.kv_size),
-                    ShardSpec(f"{attn}.v_proj", "v", dims.kv_size),
-                ),
-                input_size=h,
-                has_bias=dims.qkv_bias,
-            )
+        qkv = (
+            ShardSpec(f"{attn}.q_proj", "q", dims.q_size),
+            ShardSpec(f"{attn}.k_proj", "k", dims.kv_size),
+            ShardSpec(f"{attn}.v_proj", "v", dims.kv_size),
         )
-        specs.append(
-            LinearSpec(
-                prefix=f"{attn}.o_proj",
-                parallelism=Parallelism.ROW,
-                shards=(ShardSpec(f"{attn}.o_proj", "0", h),),
-                input_size=dims.q_size,
-                has_bias=False,
-            )
+        gate_up = (
+            ShardSpec(f"{mlp}.gate_proj", "0", inter),
+            ShardSpec(f"{mlp}.up_proj", "1", inter),
         )
-        specs.append(
-            LinearSpec(
-                prefix=f"{mlp}.gate_up_proj",
-                parallelism=Parallelism.MERGED_COLUMN,
-                shards=(
-                    ShardSpec(f"{mlp}.gate_proj", "0", inter),
-                    ShardSpec(f"{mlp}.up_proj", "1", inter),
-                ),
-                input_size=h,
-                has_bias=dims.mlp_bias,
-            )
-        )
-        specs.append(
-            LinearSpec(
-                prefix=f"{mlp}.down_proj",
-                parallelism=Parallelism.ROW,
-                shards=(ShardSpec(f"{mlp}.down_proj", "0", h),),
-                input_size=inter,
-                has_bias=dims.mlp_bias,
-            )
-        )
+        specs += [
+            LinearSpec(f"{attn}.qkv_proj", Parallelism.QKV, qkv, h, dims.qkv_bias),
+            _row_parallel(f"{attn}.o_proj", h, dims.q_size, False),
+            LinearSpec(f"{mlp}.gate_up_proj", Parallelism.MERGED_COLUMN, gate_up, h, dims.mlp_bias),
+            _row_parallel(f"{mlp}.down_proj", h, inter, dims.mlp_bias),
+        ]
     return specs
 
 
@@ -222,6 +200,13 @@ def check_dims(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: s
     must cost milliseconds, not a plan per promised layer. Each size must show in at least one
     tensor that defines it; a single tensor of the wrong shape is left for the planner to name.
     """
+    _check_layer_count(dims, shapes, source)
+    _check_linear_weights_present(dims, shapes)
+    _check_sizes(dims, shapes, source)
+
+
+def _check_layer_count(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
+    """``num_hidden_layers`` is the number of layers the headers name, each of them present."""
     layers = {int(m.group(1)) for name in shapes if (m := _LAYER.match(name))}
     found = max(layers) + 1 if layers else 0
     if dims.num_hidden_layers != found:
@@ -232,8 +217,9 @@ def check_dims(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: s
             field="num_hidden_layers",
         )
     # Every promised layer must be there with its weights, or a single tensor named for the
-    # last layer would have a lying config planned in full. Both loops stop at the first gap,
-    # so they cost no more than the headers hold.
+    # last layer would have a lying config planned in full. Both loops (this one and
+    # _check_linear_weights_present's) stop at the first gap, so they cost no more than the
+    # headers hold.
     if len(layers) != found:
         gap = next(i for i in range(found) if i not in layers)
         raise InvalidConfigError(
@@ -242,27 +228,37 @@ def check_dims(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: s
             file=source,
             field="num_hidden_layers",
         )
-    for spec in linear_specs(dims):  # dims.num_hidden_layers == found here
+
+
+def _check_linear_weights_present(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Every linear layer's weight is in the headers (``num_hidden_layers`` checked first)."""
+    for spec in linear_specs(dims):
         for shard in spec.shards:
             name = f"{shard.checkpoint_prefix}.weight"
             if name not in shapes:
                 raise MissingTensorError(
                     "a linear layer's weight is not in the checkpoint", tensor=name
                 )
+
+
+def _sizes_in(shapes: Mapping[str, tuple[int, ...]], *names_axes: tuple[str, int]) -> set[int]:
+    """The sizes of the 2-D tensors named, each along its axis (absent ones give none)."""
+    out = set()
+    for name, axis in names_axes:
+        shape = shapes.get(name)
+        if shape is not None and len(shape) == 2:
+            out.add(shape[axis])
+    return out
+
+
+def _check_sizes(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
+    """Each size of the config shows in at least one of the tensors that carry it."""
     attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
-
-    def dims_of(*names_axes: tuple[str, int]) -> set[int]:
-        out = set()
-        for name, axis in names_axes:
-            shape = shapes.get(name)
-            if shape is not None and len(shape) == 2:
-                out.add(shape[axis])
-        return out
-
     evidence = {
         "hidden_size": (
             dims.hidden_size,
-            dims_of(
+            _sizes_in(
+                shapes,
                 ("model.embed_tokens.weight", 1),
                 ("lm_head.weight", 1),
                 (f"{attn}.q_proj.weight", 1),
@@ -273,11 +269,12 @@ def check_dims(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: s
         ),
         "vocab_size": (
             dims.vocab_size,
-            dims_of(("model.embed_tokens.weight", 0), ("lm_head.weight", 0)),
+            _sizes_in(shapes, ("model.embed_tokens.weight", 0), ("lm_head.weight", 0)),
         ),
         "intermediate_size": (
             dims.intermediate_size,
-            dims_of(
+            _sizes_in(
+                shapes,
                 (f"{mlp}.gate_proj.weight", 0),
                 (f"{mlp}.up_proj.weight", 0),
                 (f"{mlp}.down_proj.weight", 1),
@@ -285,11 +282,11 @@ def check_dims(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: s
         ),
         "num_attention_heads": (
             dims.q_size,
-            dims_of((f"{attn}.q_proj.weight", 0), (f"{attn}.o_proj.weight", 1)),
+            _sizes_in(shapes, (f"{attn}.q_proj.weight", 0), (f"{attn}.o_proj.weight", 1)),
         ),
         "num_key_value_heads": (
             dims.kv_size,
-            dims_of((f"{attn}.k_proj.weight", 0), (f"{attn}.v_proj.weight", 0)),
+            _sizes_in(shapes, (f"{attn}.k_proj.weight", 0), (f"{attn}.v_proj.weight", 0)),
         ),
     }
     for field_name, (promised, seen) in evidence.items():

@@ -19,16 +19,13 @@ from typing import Any
 
 from modelopt_fp8.checkpoint.architecture import PACKED_MODULES
 from modelopt_fp8.checkpoint.opened import CheckpointDir, parse_json_object
+from modelopt_fp8.schemes import SERVED_ALGOS, LinearScheme, scheme_serving
 from protocol.errors import (
     InvalidConfigError,
     NotModelOptCheckpointError,
     UnsupportedQuantAlgoError,
 )
-from protocol.schemas.layout import Scheme
 
-FP8 = "FP8"
-FP8_PER_CHANNEL_PER_TOKEN = "FP8_PER_CHANNEL_PER_TOKEN"
-SUPPORTED_QUANT_ALGOS = (FP8, FP8_PER_CHANNEL_PER_TOKEN)
 # What ModelOpt (and vLLM) know of but weight-cache does not serve pre-processed.
 KNOWN_UNSUPPORTED_ALGOS = (
     "FP8_PB_WO",
@@ -82,28 +79,27 @@ class QuantConfig:
                 return True
         return any(fnmatch(prefix, pattern) for pattern in self.exclude_modules)
 
-    def scheme_for(self, prefix: str) -> Scheme:
+    def scheme_for(self, prefix: str) -> LinearScheme:
         """The scheme vLLM gives the linear layer at ``prefix`` under this config."""
-        if self.is_excluded(prefix, dict(PACKED_MODULES)):
-            return Scheme.unquantized
-        return Scheme.fp8 if self.quant_algo == FP8 else Scheme.fp8_pc_pt
+        excluded = self.is_excluded(prefix, dict(PACKED_MODULES))
+        return scheme_serving(None if excluded else self.quant_algo)
 
 
 def _normalise_algo(raw: Any, source: str) -> str:
     if not isinstance(raw, str) or not raw:
         raise InvalidConfigError("missing 'quant_algo' in the quantization config", file=source)
     algo = raw.upper()
-    if algo not in SUPPORTED_QUANT_ALGOS:
+    if algo not in SERVED_ALGOS:
         known = (
             "a ModelOpt format weight-cache does not serve"
             if algo in KNOWN_UNSUPPORTED_ALGOS
             else "unknown"
         )
         raise UnsupportedQuantAlgoError(
-            f"quant_algo {raw!r} is {known}; supported: {', '.join(SUPPORTED_QUANT_ALGOS)}",
+            f"quant_algo {raw!r} is {known}; supported: {', '.join(SERVED_ALGOS)}",
             file=source,
             quant_algo=raw,
-            supported=list(SUPPORTED_QUANT_ALGOS),
+            supported=list(SERVED_ALGOS),
         )
     return algo
 

@@ -12,9 +12,9 @@ import torch
 
 from modelopt_fp8.checkpoint.architecture import kv_scale_names
 from modelopt_fp8.checkpoint.safetensors_files import TensorInfo
-from modelopt_fp8.processing.checked_reads import FLOAT_DTYPES, CheckedReads
+from modelopt_fp8.processing.checked_reads import CheckedReads
 from modelopt_fp8.processing.fp8 import FP8_DTYPE
-from modelopt_fp8.processing.tensor_spec import TensorSpec
+from modelopt_fp8.processing.tensor_spec import FLOAT_DTYPES, TensorSpec
 from protocol.errors import MissingTensorError, TensorDtypeError, UnsupportedQuantAlgoError
 from protocol.schemas.layout import CarriedKind, CarriedLayout
 

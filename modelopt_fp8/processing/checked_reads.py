@@ -18,9 +18,6 @@ from protocol.errors import (
     TensorShapeError,
 )
 
-# The dtypes of a tensor held as stored: unquantized weights, biases, norms, embeddings.
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
 
 class CheckedReads:
     """The checkpoint as planning sees it: headers and scales, each checked on first use."""

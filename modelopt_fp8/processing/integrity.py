@@ -34,11 +34,6 @@ _NON_FINITE_FROM: dict[
 }
 
 
-def checks_finite(dtype: torch.dtype) -> bool:
-    """Whether data of ``dtype`` is checked at all (integers are not)."""
-    return dtype in _NON_FINITE_FROM
-
-
 def has_non_finite(data: npt.NDArray[np.uint8], dtype: torch.dtype) -> bool:
     """Whether the contiguous bytes ``data``, read as ``dtype``, hold a NaN or an infinity."""
     found = _NON_FINITE_FROM.get(dtype)

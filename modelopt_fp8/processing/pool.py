@@ -13,7 +13,6 @@ per thread, so only the loading threads are lowered.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-log = logging.getLogger(__name__)
+from protocol.logsafe import get_logger
+
+log = get_logger(__name__)
 
 MAX_NICE = 19  # the lowest priority Linux schedules
 

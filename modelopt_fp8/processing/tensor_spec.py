@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+# The dtypes of a tensor held as stored: unquantized weights, biases, norms, embeddings.
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, acc = [], 1

@@ -3,8 +3,11 @@ these ends in one fallback :class:`~protocol.reasons.Reason`."""
 
 from __future__ import annotations
 
+from protocol.client_settings import client_setting
 from protocol.errors.base import CarriesReason, WeightCacheError
 from protocol.reasons import Reason
+
+_URL, _UDS, _HOST, _PORT = map(client_setting, ("url", "uds", "host", "port"))
 
 
 class DaemonUnavailableError(WeightCacheError):
@@ -13,8 +16,8 @@ class DaemonUnavailableError(WeightCacheError):
     title = "Daemon not reachable"
     hint = "start the daemon, or point the loader's `url` / `uds` at it"
     cli_hint = (
-        "start it (`weight-cache serve`), or point --url / --uds (or WEIGHT_CACHE_URL, "
-        "WEIGHT_CACHE_HOST, WEIGHT_CACHE_PORT, WEIGHT_CACHE_UDS) at it"
+        f"start it (`weight-cache serve`), or point {_URL.flag} / {_UDS.flag} (or "
+        f"{', '.join(s.variable for s in (_URL, _HOST, _PORT, _UDS))}) at it"
     )
 
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from protocol.client_settings import client_setting
 from protocol.errors.base import WeightCacheError
+
+_TOKEN, _TOKEN_FILE = map(client_setting, ("token", "token_file"))
 
 
 class InvalidRequestError(WeightCacheError):
@@ -55,7 +58,7 @@ class UnauthorizedError(WeightCacheError):
     status = 401
     title = "Missing or wrong bearer token"
     hint = "send `Authorization: Bearer <token>` with the daemon's token"
-    cli_hint = "pass --token-file FILE, or set WEIGHT_CACHE_TOKEN_FILE or WEIGHT_CACHE_TOKEN"
+    cli_hint = f"pass {_TOKEN_FILE.flag} FILE, or set {_TOKEN_FILE.variable} or {_TOKEN.variable}"
 
 
 class PathNotAllowedError(WeightCacheError):

@@ -17,12 +17,6 @@ class WireDType(str, enum.Enum):
     bfloat16 = "bfloat16"
 
 
-class Scheme(str, enum.Enum):
-    fp8 = "fp8"  # ModelOpt FP8: per-tensor weight scale, static per-tensor input scale
-    fp8_pc_pt = "fp8_pc_pt"  # FP8_PER_CHANNEL_PER_TOKEN: per-channel weight, per-token input
-    unquantized = "unquantized"  # excluded from quantization; kept in the model dtype
-
-
 class Kernel(str, enum.Enum):
     cutlass = "cutlass"  # vLLM's CutlassFP8ScaledMMLinearKernel layout
     none = "none"  # unquantized layers: no scaled-mm kernel
@@ -75,7 +69,11 @@ class LayerLayout(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = Field(description="vLLM module name, e.g. model.layers.0.self_attn.qkv_proj")
-    scheme: Scheme
+    scheme: str = Field(
+        pattern=r"^[a-z0-9_]{1,64}$",
+        description="the name of its quantization scheme (e.g. fp8, unquantized); an engine "
+        "refuses a name it does not know",
+    )
     quant_algo: str | None = Field(description="ModelOpt quant_algo, null when unquantized")
     kernel: Kernel
     format: WeightFormat

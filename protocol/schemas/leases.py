@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.schemas.manifest import ArenaDescriptor, Manifest
 from protocol.schemas.parking import GROUP_PATTERN
+from protocol.schemas.tensor_parallel import TpRank, TpSize
 
 MAX_TTL_S = 86_400.0
 _NAME = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -15,8 +16,8 @@ class LeaseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # "0" is not 0, true is not 1.0
 
     model: str = Field(min_length=1, max_length=128)
-    tp_rank: int = Field(ge=0, le=63)
-    tp_size: int = Field(ge=1, le=64)
+    tp_rank: TpRank
+    tp_size: TpSize
     kernel: str = Field(
         pattern=_NAME, description="the kernel the engine selected; the daemon serves 'cutlass'"
     )

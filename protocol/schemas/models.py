@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from protocol.hub_cache import snapshot_repo
 from protocol.schemas.manifest import CheckpointDigests
 from protocol.schemas.parking import ParkedSummary
+from protocol.schemas.tensor_parallel import TpSize
 from protocol.schemas.text import PrintableStr
 
 MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -41,7 +42,7 @@ class LoadModelRequest(BaseModel):
         min_length=1, max_length=4096, pattern=r"^[^\x00]+$", description="checkpoint directory"
     )
     id: str | None = Field(default=None, pattern=MODEL_ID_PATTERN)
-    tp_size: int = Field(default=1, ge=1, le=64)
+    tp_size: TpSize = 1
 
 
 class LoadProgress(BaseModel):

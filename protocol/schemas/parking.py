@@ -8,6 +8,8 @@ import enum
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from protocol.schemas.tensor_parallel import TpRank, TpSize
+
 GROUP_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 MAX_WAIT_S = 60.0  # longest long-poll of one request
 
@@ -29,8 +31,8 @@ class ParkRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str = Field(min_length=1, max_length=128)
-    tp_rank: int = Field(ge=0, le=63)
-    tp_size: int = Field(ge=1, le=64)
+    tp_rank: TpRank
+    tp_size: TpSize
     client_pid: int = Field(ge=1, le=2**31 - 1)
     group: str = Field(
         pattern=GROUP_PATTERN,

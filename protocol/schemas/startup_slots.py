@@ -14,6 +14,7 @@ import enum
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.schemas.parking import GROUP_PATTERN
+from protocol.schemas.tensor_parallel import TpRank, TpSize
 
 DEVICE_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 
@@ -29,8 +30,8 @@ class SlotRequest(BaseModel):
     device: str = Field(
         pattern=DEVICE_PATTERN, description="the GPU's UUID (GPU-...), or the host id on the CPU"
     )
-    tp_rank: int = Field(ge=0, le=63)
-    tp_size: int = Field(ge=1, le=64)
+    tp_rank: TpRank
+    tp_size: TpSize
     client_pid: int = Field(ge=1, le=2**31 - 1)
     group: str = Field(
         pattern=GROUP_PATTERN,

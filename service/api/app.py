@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator, Callable
 
 import anyio.to_thread
 from fastapi import FastAPI
 
+from protocol.logsafe import get_logger
 from protocol.version import __version__
 from service.api import problems
 from service.api.auth import Authenticate
@@ -28,7 +28,7 @@ from service.api.waits import Waits
 from service.daemon import Daemon
 from service.settings import DaemonSettings
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 async def _every(interval_s: float, work: Callable[[], object], what: str) -> None:

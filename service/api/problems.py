@@ -19,8 +19,8 @@ from protocol.errors import (
     UnauthorizedError,
     WeightCacheError,
 )
+from protocol.logsafe import get_logger
 from protocol.schemas.problem import Problem
-from service.logsafe import get_logger
 
 log = get_logger(__name__)
 

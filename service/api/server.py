@@ -57,9 +57,9 @@ from protocol.errors import (
     TooManyConnectionsError,
     WeightCacheError,
 )
+from protocol.logsafe import get_logger
 from service.api.peer import PEER_KEY, ConnectionPeer, unix_credentials
 from service.api.problems import PROBLEM_MEDIA_TYPE
-from service.logsafe import get_logger
 from service.settings import DaemonSettings
 
 log = get_logger(__name__)

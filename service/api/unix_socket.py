@@ -17,7 +17,6 @@ from pathlib import Path
 from protocol.errors import ShmDirError
 from service.memory.shm import group_id
 
-OWNER_ONLY = 0o600
 GROUP_TOO = 0o660
 
 

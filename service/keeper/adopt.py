@@ -22,11 +22,11 @@ from modelopt_fp8.checkpoint.fingerprint import checkpoint_fingerprint
 from protocol.checksum import storage_checksum
 from protocol.devices import cuda_index_for_uuid, host_id
 from protocol.errors import WeightCacheError
+from protocol.logsafe import get_logger
 from protocol.schemas.manifest import DeviceKind, Manifest
 from protocol.schemas.models import ModelState
 from service.keeper.link import ArenaFds
 from service.keeper.messages import KeptArena, KeptModel, Snapshot
-from service.logsafe import get_logger
 from service.memory.arena import Arena, ShmArena, VmmArena
 from service.memory.digest import arena_digest
 from service.memory.layout import ArenaLayout

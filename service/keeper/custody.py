@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 
 from protocol.errors import HandleRefusedError
+from protocol.logsafe import get_logger
 from protocol.schemas.manifest import HandleAccess
 from protocol.schemas.models import ModelState
 from service.keeper.adopt import adopt_models
 from service.keeper.link import KeeperLink
 from service.keeper.messages import KeptLease, KeptModel
 from service.keeper.records import keepable, kept_lease, kept_model, lease_from_kept
-from service.logsafe import get_logger
 from service.memory.arena import VmmArena
 from service.memory.shm import ArenaDir, group_id
 from service.registry.handle_server import HandleServer

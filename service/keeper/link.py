@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from protocol.errors import KeeperUnavailableError
 from protocol.fd_passing import FramingError, receive_message, send_message
+from protocol.logsafe import get_logger
 from service.keeper.messages import (
     MAX_MESSAGE_BYTES,
     ArenaFd,
@@ -37,7 +38,6 @@ from service.keeper.messages import (
     Refused,
     Snapshot,
 )
-from service.logsafe import get_logger
 from service.run_dir import KEEPER_LOG, KEEPER_SOCKET, answers
 
 log = get_logger(__name__)

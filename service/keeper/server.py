@@ -23,6 +23,7 @@ from pathlib import Path
 from types import FrameType
 
 from protocol.fd_passing import FramingError, peer_credentials, receive_message, send_message
+from protocol.logsafe import get_logger
 from service.keeper.messages import (
     KEEPER_PROTOCOL,
     MAX_MESSAGE_BYTES,
@@ -40,7 +41,6 @@ from service.keeper.messages import (
     Status,
     StatusReply,
 )
-from service.logsafe import get_logger
 from service.memory.shm import remove_if_held
 from service.registry.lease_holders import trusted_uids
 from service.run_dir import KEEPER_SOCKET, listen_unix, prepare_run_dir

@@ -17,7 +17,7 @@ import select
 import threading
 from collections.abc import Callable
 
-from service.logsafe import get_logger
+from protocol.logsafe import get_logger
 from service.memory.devices import process_alive
 
 log = get_logger(__name__)

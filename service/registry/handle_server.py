@@ -18,7 +18,7 @@ from pathlib import Path
 from protocol.errors import HandleRefusedError, WeightCacheError
 from protocol.fd_passing import FramingError, peer_credentials, receive_message, send_message
 from protocol.handle_socket import MAX_REQUEST_BYTES, HandleAnswer, HandleRequest
-from service.logsafe import get_logger
+from protocol.logsafe import get_logger
 from service.registry.handle_access import Peer, holder_refusal
 from service.registry.lease_holders import trusted_uids
 from service.registry.leases import Lease

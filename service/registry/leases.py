@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from protocol.errors import DaemonRestartedError, LeaseExpiredError, LeaseNotFoundError
+from protocol.logsafe import get_logger
 from protocol.schemas.leases import LeaseInfo
-from service.logsafe import get_logger
 from service.memory.devices import process_alive
 from service.registry.lease_holders import Holder
 from service.registry.run_ids import from_this_run, new_id

@@ -6,7 +6,6 @@ load holds no memory.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import shutil
 import threading
@@ -20,13 +19,14 @@ import xxhash
 
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.checkpoint.opened import PathPolicy
-from modelopt_fp8.processing import ModelPlan, execute_plan, plan_model
-from modelopt_fp8.processing.execute import StorageFor
+from modelopt_fp8.processing.execute import StorageFor, execute_plan
+from modelopt_fp8.processing.plan import ModelPlan, plan_model
 from modelopt_fp8.processing.pool import shared_pool
 from modelopt_fp8.processing.rows import FileRange
 from protocol.devices import Placement
 from protocol.dtypes import to_wire
 from protocol.errors import InsufficientMemoryError
+from protocol.logsafe import get_logger
 from protocol.schemas.manifest import (
     CheckpointIdentity,
     DaemonIdentity,
@@ -40,7 +40,7 @@ from service.memory.digest import arena_digest
 from service.memory.layout import pack
 from service.memory.shm import ArenaDir
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class LoadCancelled(Exception):
@@ -194,11 +194,43 @@ def _manifest(
     return manifest.model_copy(update={"layout_digest": xxhash.xxh3_128_hexdigest(layout)})
 
 
-def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
-    """Load every rank of a model; raises a typed error and holds nothing on failure."""
-    arenas: list[Arena] = []
-    ckpt = Checkpoint.open(req.path, req.policy)
-    identity = CheckpointIdentity(
+class _Run:
+    """One load under way: its progress, and the unload that may stop it between steps."""
+
+    LOG_EVERY_S = 2.0
+
+    def __init__(self, model_id: str, progress: Progress) -> None:
+        self.model_id = model_id
+        self.progress = progress
+        self.last_log = time.monotonic()
+
+    def check_cancelled(self) -> None:
+        if self.progress.cancelled.is_set():
+            raise LoadCancelled(f"model {self.model_id} was unloaded while loading")
+
+    def advance(self, nbytes: int, ntensors: int) -> None:
+        """The processing wrote ``nbytes`` in ``ntensors`` more: count them, stop if unloaded,
+        log now and then."""
+        progress = self.progress
+        progress.bytes_done += nbytes
+        progress.tensors_done += ntensors
+        self.check_cancelled()
+        if time.monotonic() - self.last_log > self.LOG_EVERY_S:
+            self.last_log = time.monotonic()
+            log.info(
+                "loading %s: %.0f%% (%d/%d bytes, %d/%d tensors)",
+                self.model_id,
+                100 * progress.bytes_done / max(1, progress.bytes_total),
+                progress.bytes_done,
+                progress.bytes_total,
+                progress.tensors_done,
+                progress.tensors_total,
+            )
+
+
+def _identity(ckpt: Checkpoint) -> CheckpointIdentity:
+    """What the checkpoint is, as soon as it opened (every tier but ``full``)."""
+    return CheckpointIdentity(
         path=str(ckpt.path),
         fingerprint=ckpt.fingerprint,
         digests=ckpt.digests,
@@ -206,68 +238,58 @@ def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
         quant_algo=ckpt.quant.quant_algo,
         kv_cache_quant_algo=ckpt.quant.kv_cache_quant_algo,
     )
+
+
+def _plan_ranks(ckpt: Checkpoint, req: LoadRequest, run: _Run) -> list[ModelPlan]:
+    plans = []
+    for rank in range(req.tp_size):  # an unload stops the planning too
+        run.check_cancelled()
+        plans.append(plan_model(ckpt, req.tp_size, rank))
+    run.progress.bytes_total = sum(plan.total_bytes for plan in plans)
+    run.progress.tensors_total = sum(len(plan.specs) for plan in plans)
+    return plans
+
+
+def _with_full_digest(
+    ckpt: Checkpoint, identity: CheckpointIdentity, run: _Run
+) -> CheckpointIdentity:
+    """The full identity tier, read while the files are still in the page cache from
+    processing."""
+    full = ckpt.full_digest(run.check_cancelled, shared_pool()[0])
+    digests = ckpt.digests.model_copy(update={"full": full})
+    return identity.model_copy(update={"digests": digests})
+
+
+def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
+    """Load every rank of a model; raises a typed error and holds nothing on failure."""
+    arenas: list[Arena] = []
+    ckpt = Checkpoint.open(req.path, req.policy)
+    identity = _identity(ckpt)
     req.opened(identity)
+    run = _Run(req.model_id, progress)
     try:
-
-        def stop() -> None:
-            if progress.cancelled.is_set():
-                raise LoadCancelled(f"model {req.model_id} was unloaded while loading")
-
-        plans = []
-        for rank in range(req.tp_size):  # an unload stops the planning too
-            stop()
-            plans.append(plan_model(ckpt, req.tp_size, rank))
+        plans = _plan_ranks(ckpt, req, run)
         layouts = [pack(plan.specs) for plan in plans]
-        progress.bytes_total = sum(plan.total_bytes for plan in plans)
-        progress.tensors_total = sum(len(plan.specs) for plan in plans)
-        stop()
+        run.check_cancelled()
         _check_budget(req, sum(layout.nbytes for layout in layouts))
-        processed: list[tuple[ModelPlan, Arena, dict[str, str]]] = []
-        last_log = time.monotonic()
-
-        def advance(nbytes: int, ntensors: int) -> None:
-            nonlocal last_log
-            progress.bytes_done += nbytes
-            progress.tensors_done += ntensors
-            stop()
-            if time.monotonic() - last_log > 2.0:
-                last_log = time.monotonic()
-                log.info(
-                    "loading %s: %.0f%% (%d/%d bytes, %d/%d tensors)",
-                    req.model_id,
-                    100 * progress.bytes_done / max(1, progress.bytes_total),
-                    progress.bytes_done,
-                    progress.bytes_total,
-                    progress.tensors_done,
-                    progress.tensors_total,
-                )
-
+        checksums = []
         for plan, layout, placement in zip(plans, layouts, req.placements, strict=True):
             label = f"{req.model_id}-r{plan.tp_rank}"
             arena = allocate_arena(
                 layout, placement, req.arena_dir, req.daemon.boot_id, label, req.cuda_handles
             )
             arenas.append(arena)
-
             with _destinations(arena) as storage_for:
-                checksums = execute_plan(ckpt, plan, storage_for, advance)
-            processed.append((plan, arena, checksums))
-        # The full identity tier, while the files are still in the page cache from processing.
-        identity = identity.model_copy(
-            update={
-                "digests": ckpt.digests.model_copy(
-                    update={"full": ckpt.full_digest(stop, shared_pool()[0])}
-                )
-            }
-        )
+                checksums.append(execute_plan(ckpt, plan, storage_for, run.advance))
+        identity = _with_full_digest(ckpt, identity, run)
         req.opened(identity)
         return [
             ResidentRank(
                 arena,
-                _manifest(req, identity, plan, arena, checksums),
+                _manifest(req, identity, plan, arena, sums),
                 arena_digest(arena.base) if isinstance(arena, VmmArena) else None,
             )
-            for plan, arena, checksums in processed
+            for plan, arena, sums in zip(plans, arenas, checksums, strict=True)
         ]
     except BaseException:
         for arena in arenas:

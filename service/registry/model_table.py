@@ -25,10 +25,10 @@ from protocol.errors import (
     TooManyModelsError,
     WeightCacheError,
 )
+from protocol.logsafe import get_logger
 from protocol.schemas.health import Readiness
 from protocol.schemas.manifest import CheckpointIdentity, DaemonIdentity
 from protocol.schemas.models import ModelState, default_model_id
-from service.logsafe import get_logger
 from service.memory.devices import resolve_placements
 from service.memory.shm import ArenaDir
 from service.memory.trim import give_back_freed_memory

@@ -9,9 +9,9 @@ import torch
 
 from protocol.checksum import storage_checksum
 from protocol.errors import ArenaCorruptedError
+from protocol.logsafe import get_logger
 from protocol.schemas.manifest import Manifest
 from protocol.schemas.models import ModelState
-from service.logsafe import get_logger
 from service.registry.model_table import ModelTable
 from service.registry.models import ModelRecord
 

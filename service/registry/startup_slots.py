@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from protocol.errors import (
     StartupSlotNotFoundError,
 )
+from protocol.logsafe import get_logger
 from protocol.schemas.startup_slots import SlotRequest, SlotState, SlotTicket
-from service.logsafe import get_logger
 from service.registry.lease_holders import Caller, Holder
 from service.registry.run_ids import new_id
 from service.registry.waiting_rules import (

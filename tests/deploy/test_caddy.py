@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.daemon_process import free_port
-from tests.waiting import wait_for
+from harness.daemon_process import free_port
+from harness.waiting import wait_for
 
 CADDYFILE = Path(__file__).resolve().parents[2] / "docker" / "Caddyfile"
 UPSTREAM = [sys.executable, "-m", "tests.deploy.upstream"]

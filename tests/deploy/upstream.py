@@ -5,31 +5,21 @@ under test: the engine's own behaviour is tested with vLLM."""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
+
+from harness.json_http import JsonAnswers
 
 
-class Handler(BaseHTTPRequestHandler):
-    def _answer(self, status: int, body: dict[str, object]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
+class Handler(JsonAnswers):
     def do_GET(self) -> None:
-        self._answer(200 if self.path == "/health" else 404, {})
+        self.answer_json(200 if self.path == "/health" else 404, {})
 
     def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.read_body()
         time.sleep(0.02)
-        self._answer(200, {"served_by": self.server.server_port})  # type: ignore[attr-defined]
-
-    def log_message(self, *args: object) -> None:
-        pass
+        self.answer_json(200, {"served_by": self.server.server_port})  # type: ignore[attr-defined]
 
 
 if __name__ == "__main__":

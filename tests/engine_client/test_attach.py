@@ -16,12 +16,13 @@ import torch
 from engine_client.attach import attach
 from engine_client.client import ClientConfig
 from engine_client.verify import Expectations
+from harness.daemon_process import DaemonProcess
+from harness.waiting import wait_for
 from modelopt_fp8.checkpoint import Checkpoint, checkpoint_fingerprint
 from modelopt_fp8.checkpoint.quant_config import QuantConfig
-from modelopt_fp8.processing import plan_model, process_checkpoint
+from modelopt_fp8.processing.execute import process_checkpoint
+from modelopt_fp8.processing.plan import plan_model
 from protocol.errors import LayoutMismatchError, VerificationError
-from tests.daemon_process import DaemonProcess
-from tests.waiting import wait_for
 
 CPU = torch.device("cpu")
 

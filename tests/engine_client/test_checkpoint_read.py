@@ -15,8 +15,8 @@ from engine_client.checkpoint_read import attach_or_read, read_checkpoint
 from engine_client.client import ClientConfig
 from engine_client.fallback import FALLBACKS
 from engine_client.verify import Expectations
+from harness.daemon_process import free_port
 from protocol.errors import DaemonUnavailableError
-from tests.daemon_process import free_port
 
 CPU = torch.device("cpu")
 
@@ -73,7 +73,7 @@ def test_no_fallback_raises(tiny_fp8: Path) -> None:
 def test_waits_for_a_model_still_loading(tmp_path: Path, tiny_fp8: Path, held_load, caplog) -> None:
     """With ``wait_s``, a 503 model_loading answer is retried until the load is done (the load
     is held open until the engine has been told to wait at least once)."""
-    from tests.daemon_process import InProcessDaemon, make_settings
+    from harness.daemon_process import InProcessDaemon, make_settings
 
     settings = make_settings(tmp_path, [], allowed_roots=[tiny_fp8.parent])
     with InProcessDaemon(settings) as served:

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine_client.client import AsyncDaemonClient, ClientConfig, DaemonClient, daemon_url
+from engine_client.client import AsyncDaemonClient, ClientConfig, DaemonClient
+from harness.daemon_process import free_port, start_daemon
+from harness.waiting import wait_for
 from protocol.errors import (
     DaemonUnavailableError,
     LayoutMismatchError,
@@ -17,8 +19,6 @@ from protocol.errors import (
     UnauthorizedError,
     VerificationError,
 )
-from tests.daemon_process import free_port, start_daemon
-from tests.waiting import wait_for
 
 
 class FlakyServer(threading.Thread):
@@ -247,14 +247,27 @@ def test_ready_reports_a_failed_model_without_raising(
         client.ready()
 
 
-def test_clients_find_the_daemon_from_its_variables(monkeypatch) -> None:
-    assert daemon_url({}) == "http://127.0.0.1:8470"
-    assert daemon_url({"WEIGHT_CACHE_PORT": "9001"}) == "http://127.0.0.1:9001"
-    assert daemon_url({"WEIGHT_CACHE_HOST": "0.0.0.0", "WEIGHT_CACHE_PORT": "9"}) == (
-        "http://127.0.0.1:9"
-    )
-    assert daemon_url({"WEIGHT_CACHE_HOST": "::1"}) == "http://[::1]:8470"
-    assert daemon_url({"WEIGHT_CACHE_URL": "http://h:1", "WEIGHT_CACHE_PORT": "9"}) == "http://h:1"
+@pytest.mark.parametrize(
+    ("environ", "url"),
+    [
+        ({}, "http://127.0.0.1:8470"),
+        ({"WEIGHT_CACHE_PORT": "9001"}, "http://127.0.0.1:9001"),
+        ({"WEIGHT_CACHE_HOST": "0.0.0.0", "WEIGHT_CACHE_PORT": "9"}, "http://127.0.0.1:9"),
+        ({"WEIGHT_CACHE_HOST": "::1"}, "http://[::1]:8470"),
+        ({"WEIGHT_CACHE_URL": "http://h:1", "WEIGHT_CACHE_PORT": "9"}, "http://h:1"),
+    ],
+)
+def test_clients_find_the_daemon_from_its_variables(
+    monkeypatch, environ: dict[str, str], url: str
+) -> None:
+    for name in ("URL", "HOST", "PORT", "UDS"):
+        monkeypatch.delenv(f"WEIGHT_CACHE_{name}", raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert ClientConfig.from_env().url == url
+
+
+def test_a_flag_beats_the_daemon_s_socket(monkeypatch) -> None:
     monkeypatch.setenv("WEIGHT_CACHE_PORT", "9002")
     monkeypatch.setenv("WEIGHT_CACHE_UDS", "/run/wc.sock")
     config = ClientConfig.from_env()

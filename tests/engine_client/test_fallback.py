@@ -8,7 +8,7 @@ import logging
 import re
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -27,6 +27,8 @@ from engine_client.fallback import (
     typed_failures,
 )
 from engine_client.verify import Expectations
+from harness.daemon_process import DaemonProcess, lease_body
+from harness.json_http import JsonAnswers
 from protocol.errors import (
     ArenaUnavailableError,
     AttachError,
@@ -50,7 +52,6 @@ from protocol.errors import (
 from protocol.reasons import Reason
 from protocol.schemas.manifest import ArenaDescriptor, ShmHandle
 from protocol.schemas.problem import Problem
-from tests.daemon_process import DaemonProcess, lease_body
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,24 +138,17 @@ class AnswerServer(ThreadingHTTPServer):
         self.requests: list[tuple[str, str]] = []
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def _answer(self, status: int, body: bytes = b"") -> None:
+        class Handler(JsonAnswers):
+            def _record(self, status: int, body: bytes = b"") -> None:
                 server.requests.append((self.command, self.path))
-                self.rfile.read(int(self.headers.get("content-length") or 0))
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.read_body()
+                self.answer(status, body)
 
             def do_POST(self) -> None:
-                self._answer(server.status, server.body)
+                self._record(server.status, server.body)
 
             def do_DELETE(self) -> None:
-                self._answer(204)
-
-            def log_message(self, *args: object) -> None:
-                pass
+                self._record(204)
 
         super().__init__(("127.0.0.1", 0), Handler)
 

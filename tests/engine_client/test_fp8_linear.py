@@ -10,8 +10,9 @@ import torch
 
 from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear, scaled_mm
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import plan_model, process_checkpoint
+from modelopt_fp8.processing.execute import process_checkpoint
 from modelopt_fp8.processing.fp8 import quantize_per_token, quantize_static
+from modelopt_fp8.processing.plan import plan_model
 from protocol.schemas.layout import ActivationQuant
 
 

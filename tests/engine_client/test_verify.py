@@ -13,14 +13,13 @@ import torch
 
 from engine_client.client import ClientConfig, DaemonClient
 from engine_client.verify import Expectations, verify_checksums, verify_grant
+from harness.daemon_process import start_daemon
 from modelopt_fp8.checkpoint import Fingerprint, IdentityTier
 from modelopt_fp8.checkpoint.quant_config import QuantConfig
 from protocol.errors import VerificationError
 from protocol.reasons import Reason
-from protocol.schemas.layout import Scheme
 from protocol.schemas.leases import LeaseGrant
 from protocol.schemas.manifest import Manifest
-from tests.daemon_process import start_daemon
 
 CPU = torch.device("cpu")
 
@@ -76,7 +75,7 @@ def with_digests(**update: Any) -> Callable[[LeaseGrant], LeaseGrant]:
 def with_first_fp8_layer(**update: Any) -> Callable[[LeaseGrant], LeaseGrant]:
     def change(g: LeaseGrant) -> LeaseGrant:
         layers = list(manifest_of(g).layers)
-        i = next(i for i, la in enumerate(layers) if la.scheme is not Scheme.unquantized)
+        i = next(i for i, la in enumerate(layers) if la.scheme != "unquantized")
         layers[i] = layers[i].model_copy(update=update)
         return with_manifest(layers=layers)(g)
 
@@ -166,9 +165,10 @@ CASES: list[tuple[str, Callable[[LeaseGrant], LeaseGrant], dict[str, Any], Reaso
     (
         "unsupported_layer",
         same,
-        {"supported_schemes": frozenset({Scheme.unquantized})},
+        {"supported_schemes": frozenset({"unquantized"})},
         Reason.unsupported_layer,
     ),
+    ("unknown_scheme", with_first_fp8_layer(scheme="fp8_block"), {}, Reason.unsupported_layer),
     ("kernel", same, {"kernel": "marlin"}, Reason.kernel_mismatch),
     ("format", same, {"format": "marlin_repacked"}, Reason.format_mismatch),
     (

@@ -11,10 +11,10 @@ import os
 import shutil
 import socket
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from harness.waiting import poll
 from tests.gpu.processes import LoggedProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,12 +90,7 @@ class CaddyProxy:
 
     def wait_listening(self, timeout: float) -> bool:
         """Wait until the proxy accepts connections; False if it exited or ``timeout`` passed."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.process.alive():
-            if _accepts(self.port):
-                return True
-            time.sleep(0.05)
-        return False
+        return poll(lambda: _accepts(self.port), timeout, while_=self.process.alive) is not None
 
     def stop(self) -> None:
         self.process.stop(grace_s=5)

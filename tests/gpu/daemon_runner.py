@@ -7,6 +7,7 @@ with the same command after a ``kill -9``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -18,6 +19,7 @@ from typing import Any
 import httpx
 
 from engine_client.client import ClientConfig, DaemonClient
+from harness.waiting import poll
 from protocol.processes import process_tree
 from tests.gpu.processes import LoggedProcess, read_chars
 
@@ -60,6 +62,10 @@ class DaemonCommand:
         """The keeper in the foreground (``--keeper external``: the proof starts it)."""
         assert self.run_dir is not None, "a keeper needs the run directory"
         return [sys.executable, "-m", "weight_cache_cli", "keeper", "--run-dir", str(self.run_dir)]
+
+
+def _answers_200(client: httpx.Client, path: str) -> bool:
+    return _status(client, path) == 200
 
 
 def _status(client: httpx.Client, path: str) -> int | None:
@@ -109,12 +115,16 @@ class ServedDaemon:
         deadline = time.monotonic() + timeout
         with httpx.Client(base_url=self.command.url, timeout=2) as client:
             for path in ("/health", "/ready"):
-                while _status(client, path) != 200:
-                    if not proc.alive() or time.monotonic() > deadline:
-                        figures["rc"] = proc.process.poll()
-                        figures["tail"] = [line.text for line in proc.lines()[-20:]]
-                        return figures
-                    time.sleep(0.02)
+                answered = poll(
+                    functools.partial(_answers_200, client, path),
+                    deadline - time.monotonic(),
+                    every=0.02,
+                    while_=proc.alive,
+                )
+                if answered is None:
+                    figures["rc"] = proc.process.poll()
+                    figures["tail"] = [line.text for line in proc.lines()[-20:]]
+                    return figures
                 figures[f"{path[1:]}_s"] = round(proc.since_start(), 3)
         figures["ready"] = True
         figures["read_bytes"] = read_chars(proc.pid)

@@ -24,8 +24,8 @@ import torch
 from engine_client.checkpoint_read import EngineWeights, attach_or_read, read_checkpoint
 from engine_client.client import ClientConfig
 from engine_client.verify import Expectations
+from harness.daemon_process import free_port, start_daemon
 from service.demo import write_demo_checkpoint
-from tests.daemon_process import free_port, start_daemon
 from weight_cache_cli.attach import run_layers
 
 SCHEMES = ("fp8", "fp8-pc-pt")

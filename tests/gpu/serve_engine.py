@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from harness.waiting import poll
 from protocol.processes import process_tree
 from tests.gpu.completions import SERVED_MODEL_NAME, Answer, complete
 from tests.gpu.gpu_memory import held_by
@@ -81,17 +82,18 @@ class ServeEngine:
         """Seconds from the start to the first ``/health`` 200; None if the process ended or
         ``timeout`` passed first. (vLLM binds its port early but listens only once serving:
         until then a connection is refused at once.)"""
-        deadline = time.monotonic() + timeout
         with httpx.Client(base_url=self.url, timeout=5) as client:
-            while self.process.alive() and time.monotonic() < deadline:
+
+            def healthy() -> bool:
                 try:
-                    if client.get("/health").status_code == 200:
-                        self.health_s = round(self.process.since_start(), 3)
-                        return self.health_s
+                    return client.get("/health").status_code == 200
                 except httpx.HTTPError:
-                    pass
-                time.sleep(0.02)
-        return None
+                    return False
+
+            if poll(healthy, timeout, every=0.02, while_=self.process.alive) is None:
+                return None
+        self.health_s = round(self.process.since_start(), 3)
+        return self.health_s
 
     def ask(self, prompt: Sequence[int], timeout: float = 120) -> Answer:
         with httpx.Client(base_url=self.url, timeout=timeout) as client:

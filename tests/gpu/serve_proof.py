@@ -52,7 +52,8 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tests.daemon_process import free_port
+from harness.daemon_process import free_port
+from harness.waiting import poll
 from tests.gpu.caddy_proxy import CADDYFILE, CaddyProxy, find_caddy
 from tests.gpu.completions import RequestStream, StreamAccount
 from tests.gpu.daemon_runner import DaemonCommand, ServedDaemon
@@ -358,12 +359,14 @@ class ServeProof:
         waiting = self.start_engine(
             "P-parked", "weight_cache", park_options(self.args.park_timeout)
         )
-        deadline = time.monotonic() + min(HEALTH_TIMEOUT_S, self.left() - RESERVE_S)
-        while time.monotonic() < deadline and waiting.process.alive():
-            if (parked_pids(url) or set()) & set(waiting.process.descendants()):
-                parked["parked"] = waiting.phases()["at_s"].get("model_loaded") is None
-                break
-            time.sleep(0.2)
+        found = poll(
+            lambda: (parked_pids(url) or set()) & set(waiting.process.descendants()),
+            min(HEALTH_TIMEOUT_S, self.left() - RESERVE_S),
+            every=0.2,
+            while_=waiting.process.alive,
+        )
+        if found:
+            parked["parked"] = waiting.phases()["at_s"].get("model_loaded") is None
         parked["parked_after_s"] = round(waiting.process.since_start(), 2)
         parked["parking"] = parking_document(url)
         parked["memory_parked"] = self.memory(serving, waiting)

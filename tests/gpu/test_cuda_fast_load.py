@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import cuda_fill, plan_model, process_checkpoint
-from protocol.checksum import storage_checksum
+from modelopt_fp8.processing import cuda_fill
+from modelopt_fp8.processing.execute import process_checkpoint
+from modelopt_fp8.processing.plan import plan_model
 from protocol.devices import Placement
 from protocol.schemas.manifest import DeviceKind
 from service.memory.shm import ArenaDir
-from service.registry.loader import LoadRequest, Progress, load_model
+from service.registry.loader import LoadRequest
 from tests.conftest import MODELOPT_EXPORTS
-from tests.reference_processing import reference_storages
+from tests.reference_processing import assert_load_matches_reference, reference_storages
 
 pytestmark = pytest.mark.gpu
 
@@ -66,19 +67,7 @@ def _cuda_request(path: Path, shm: Path, tp: int) -> LoadRequest:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_cuda_arenas_hold_the_reference_bytes(tiny_any: Path, tmp_path: Path, tp: int) -> None:
-    ranks = load_model(_cuda_request(tiny_any, tmp_path, tp), Progress())
-    try:
-        for rank in ranks:
-            plan, want = reference_storages(tiny_any, tp, rank.manifest.tp_rank)
-            specs = {s.name: s for s in plan.specs}
-            for entry in rank.manifest.tensors:
-                stored = rank.arena.storage(specs[entry.name])
-                assert stored.is_cuda
-                assert torch.equal(_raw(stored), _raw(want[entry.name])), entry.name
-                assert entry.checksum == storage_checksum(want[entry.name]), entry.name
-    finally:
-        for rank in ranks:
-            rank.arena.release()
+    assert_load_matches_reference(_cuda_request(tiny_any, tmp_path, tp), "cuda")
 
 
 def test_two_cuda_loads_at_once(tiny_fp8: Path, tiny_pc: Path) -> None:

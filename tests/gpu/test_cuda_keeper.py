@@ -18,21 +18,20 @@ import httpx
 import pytest
 import torch
 
+from harness.daemon_process import (
+    ComputingEngine,
+    InProcessDaemon,
+    KeptDaemons,
+    keeper_status,
+    make_settings,
+    start_daemon,
+)
+from harness.waiting import wait_for
 from protocol.devices import Placement, cuda_uuid
 from protocol.schemas.manifest import DeviceKind
 from service.demo import write_demo_checkpoint
 from service.memory.arena import CudaArena, VmmArena
 from service.registry.loader import LoadRequest, Progress, load_model
-from tests.daemon_process import (
-    ComputingEngine,
-    InProcessDaemon,
-    free_port,
-    keeper_status,
-    make_settings,
-    start_daemon,
-    stop_keeper,
-)
-from tests.waiting import wait_for
 
 pytestmark = pytest.mark.gpu
 GIB = 1 << 30
@@ -94,78 +93,57 @@ def test_kill_restart_adopt_with_an_engine_computing(tmp_path: Path, tiny_fp8: P
     a new daemon takes the model over from the keeper (no load, digest checked) and the
     engine's lease with it; the keeper holds no CUDA context; once the engine and the model
     are gone, the memory is given back."""
-    port, run = free_port(), tmp_path / "run"
-    args = ("--model-id", "tiny")
-    first = start_daemon(
-        tmp_path, [tiny_fp8], *args, port=port, device="cuda:0", run_dir=run, keeper="auto"
-    )
-    engine = ComputingEngine(first.url, "tiny", tiny_fp8, "cuda:0")
-    second = None
-    try:
-        assert engine.attached["via"] == "descriptor" and engine.attached["zero_copy"]
-        wait_for(lambda: keeper_status(run).leases == 1 and keeper_status(run).arenas == 1)
-        keeper_pid = keeper_status(run).pid
-        assert keeper_pid not in nvml_pids()  # descriptors only: no CUDA context
-        first.stop(signal.SIGKILL)
-        before = engine.ask()["iterations"]
-        wait_for(lambda: engine.ask()["unanswered"] >= 2)
-        status = engine.ask()
-        assert status["iterations"] > before and status["mismatches"] == 0 and not status["lost"]
+    with KeptDaemons(tmp_path, tiny_fp8, "cuda:0") as kept:
+        run, first = kept.run, kept.first
+        engine = ComputingEngine(first.url, "tiny", tiny_fp8, "cuda:0")
+        try:
+            assert engine.attached["via"] == "descriptor" and engine.attached["zero_copy"]
+            wait_for(lambda: keeper_status(run).leases == 1 and keeper_status(run).arenas == 1)
+            keeper_pid = keeper_status(run).pid
+            assert keeper_pid not in nvml_pids()  # descriptors only: no CUDA context
+            first.stop(signal.SIGKILL)
+            before = engine.ask()["iterations"]
+            wait_for(lambda: engine.ask()["unanswered"] >= 2)
+            status = engine.ask()
+            assert (
+                status["iterations"] > before and status["mismatches"] == 0 and not status["lost"]
+            )
 
-        second = start_daemon(
-            tmp_path, [tiny_fp8], *args, port=port, device="cuda:0", run_dir=run, keeper="auto"
-        )
-        log = second.log.read_text()
-        assert "adopted tiny from the keeper" in log and "loading tiny" not in log
-        assert "weight_cache_load_seconds_count 0.0" in httpx.get(f"{second.url}/metrics").text
-        boot = httpx.get(f"{second.url}/health").json()["boot_id"]
-        assert [x["id"] for x in httpx.get(f"{second.url}/v1/leases").json()] == [
-            engine.attached["lease"]
-        ]
-        wait_for(lambda: engine.ask()["boot"] == boot)
-        status = engine.ask()
-        assert status["mismatches"] == 0 and not status["lost"]
-        assert keeper_status(run).pid == keeper_pid not in nvml_pids()
+            second = kept.restart()
+            log = second.log.read_text()
+            assert "adopted tiny from the keeper" in log and "loading tiny" not in log
+            assert "weight_cache_load_seconds_count 0.0" in httpx.get(f"{second.url}/metrics").text
+            boot = httpx.get(f"{second.url}/health").json()["boot_id"]
+            assert [x["id"] for x in httpx.get(f"{second.url}/v1/leases").json()] == [
+                engine.attached["lease"]
+            ]
+            wait_for(lambda: engine.ask()["boot"] == boot)
+            status = engine.ask()
+            assert status["mismatches"] == 0 and not status["lost"]
+            assert keeper_status(run).pid == keeper_pid not in nvml_pids()
 
-        assert engine.close()["closed"]  # the engine's mapping and context are gone
-        free_before = torch.cuda.mem_get_info(0)[0]
-        assert httpx.delete(f"{second.url}/v1/models/tiny").status_code == 204
-        wait_for(lambda: keeper_status(run).arenas == 0)
-        wait_for(lambda: torch.cuda.mem_get_info(0)[0] > free_before)  # freed at last
-    finally:
-        engine.kill()
-        first.stop(signal.SIGKILL)
-        if second is not None:
-            second.stop()
-        stop_keeper(run)
+            assert engine.close()["closed"]  # the engine's mapping and context are gone
+            free_before = torch.cuda.mem_get_info(0)[0]
+            assert httpx.delete(f"{second.url}/v1/models/tiny").status_code == 204
+            wait_for(lambda: keeper_status(run).arenas == 0)
+            wait_for(lambda: torch.cuda.mem_get_info(0)[0] > free_before)  # freed at last
+        finally:
+            engine.kill()
 
 
 def test_the_keepers_descriptor_alone_keeps_the_memory(tmp_path: Path, tiny_pc: Path) -> None:
     """No engine: the daemon killed, only the keeper's descriptor left (no mapping, no context
     anywhere). A new daemon adopts the arena and its digest, taken at load, still matches."""
-    port, run = free_port(), tmp_path / "run"
-    args = ("--model-id", "tiny")
-    first = start_daemon(
-        tmp_path, [tiny_pc], *args, port=port, device="cuda:0", run_dir=run, keeper="auto"
-    )
-    second = None
-    try:
-        wait_for(lambda: keeper_status(run) is not None and keeper_status(run).arenas == 1)
-        first.stop(signal.SIGKILL)
-        wait_for(lambda: first.process.pid not in nvml_pids())
-        second = start_daemon(
-            tmp_path, [tiny_pc], *args, port=port, device="cuda:0", run_dir=run, keeper="auto"
-        )
-        log = second.log.read_text()
+    with KeptDaemons(tmp_path, tiny_pc, "cuda:0") as kept:
+        wait_for(lambda: kept.keeper() is not None and kept.keeper().arenas == 1)
+        kept.first.stop(signal.SIGKILL)
+        wait_for(lambda: kept.first.process.pid not in nvml_pids())
+        log = kept.restart().log.read_text()
         assert "adopted tiny from the keeper" in log and "checksums verified" in log
         # An engine attaches to the adopted allocation and reads the loaded bytes.
-        engine = ComputingEngine(second.url, "tiny", tiny_pc, "cuda:0")
+        assert kept.second is not None
+        engine = ComputingEngine(kept.second.url, "tiny", tiny_pc, "cuda:0")
         assert engine.attached["zero_copy"] and engine.close()["closed"]
-    finally:
-        first.stop(signal.SIGKILL)
-        if second is not None:
-            second.stop()
-        stop_keeper(run)
 
 
 def test_an_engine_in_its_own_pid_namespace_attaches(tmp_path: Path, tiny_fp8: Path) -> None:

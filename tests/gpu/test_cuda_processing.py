@@ -11,8 +11,9 @@ import torch
 
 from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import plan_model, process_checkpoint
+from modelopt_fp8.processing.execute import process_checkpoint
 from modelopt_fp8.processing.fp8 import FP8_DTYPE, dequantize_to_fp16, quantize_static
+from modelopt_fp8.processing.plan import plan_model
 from protocol.devices import Placement
 from protocol.schemas.manifest import DeviceKind
 from service.registry.loader import LoadRequest, Progress, load_model

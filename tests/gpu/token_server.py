@@ -20,9 +20,10 @@ import json
 import os
 import sys
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+
+from harness.json_http import JsonAnswers
 
 
 def tokens_for(prompt: list[int], count: int) -> list[int]:
@@ -31,7 +32,7 @@ def tokens_for(prompt: list[int], count: int) -> list[int]:
     return [(seed + 7919 * i) % 32000 for i in range(count)]
 
 
-class Handler(BaseHTTPRequestHandler):
+class Handler(JsonAnswers):
     protocol_version = "HTTP/1.1"
     delay_s = 0.0
     port = 0
@@ -39,45 +40,33 @@ class Handler(BaseHTTPRequestHandler):
     asleep = False
     served_asleep = 0  # completions asked for while asleep
 
-    def _send(self, status: int, body: dict[str, Any]) -> None:
-        payload = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
     def do_GET(self) -> None:
         if self.path == "/health":
-            self._send(200, {})
+            self.answer_json(200, {})
         elif self.path == "/stats":
-            self._send(200, {"served_asleep": Handler.served_asleep})
+            self.answer_json(200, {"served_asleep": Handler.served_asleep})
         elif self.path == "/is_sleeping" and self.dev_mode:
-            self._send(200, {"is_sleeping": Handler.asleep})
+            self.answer_json(200, {"is_sleeping": Handler.asleep})
         else:
-            self._send(404, {"error": "not found"})
+            self.answer_json(404, {"error": "not found"})
 
     def do_POST(self) -> None:
-        length = int(self.headers.get("content-length", "0"))
-        request = json.loads(self.rfile.read(length) or b"{}")
+        request = json.loads(self.read_body() or b"{}")
         path = self.path.split("?", 1)[0]
         if path in ("/sleep", "/wake_up") and self.dev_mode:
             Handler.asleep = path == "/sleep"
             print(f"{'asleep' if Handler.asleep else 'awake'}", flush=True)
-            self._send(200, {"status": "sleeping" if Handler.asleep else "awake"})
+            self.answer_json(200, {"status": "sleeping" if Handler.asleep else "awake"})
             return
         if Handler.asleep:
             Handler.served_asleep += 1
         if self.path != "/v1/completions" or not isinstance(request.get("prompt"), list):
-            self._send(400, {"error": "expected /v1/completions with token ids"})
+            self.answer_json(400, {"error": "expected /v1/completions with token ids"})
             return
         time.sleep(self.delay_s)  # the time a generation takes
         tokens = tokens_for(request["prompt"], int(request.get("max_tokens", 16)))
         choices = [{"index": 0, "text": "", "token_ids": tokens}]
-        self._send(200, {"choices": choices, "served_by": Handler.port})
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # one line per request would flood the proof's logs
+        self.answer_json(200, {"choices": choices, "served_by": Handler.port})
 
 
 def attach(url: str, checkpoint: Path, model: str) -> object:

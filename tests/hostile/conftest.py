@@ -17,9 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.daemon_process import DaemonProcess, lease_body, start_daemon
-from tests.hostile.sockets import port_of
-from tests.waiting import wait_for
+from harness.daemon_process import DaemonProcess, lease_body, start_daemon
+from harness.waiting import wait_for
 
 LIMITS = {
     "WEIGHT_CACHE_MAX_CONNECTIONS": "32",
@@ -46,7 +45,7 @@ class Hostile:
 
     @property
     def port(self) -> int:
-        return port_of(self.url)
+        return self.daemon.port
 
     def checkpoint(self, name: str) -> Path:
         """A fresh copy of the tiny checkpoint below the allowed root, to break."""

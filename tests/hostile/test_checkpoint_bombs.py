@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
+from harness.checkpoint_tools import rewrite_json, rewrite_tensors
+from harness.hostile.memory import RssBack
+from harness.hostile.probe import HealthProbe
 from modelopt_fp8.checkpoint.safetensors_files import MAX_HEADER_BYTES, MAX_TENSORS
-from tests.checkpoint_tools import rewrite_json, rewrite_tensors
 from tests.hostile.conftest import Hostile
-from tests.hostile.memory import RssBack
-from tests.hostile.probe import HealthProbe
 
 
 def _empty_entries_file(path: Path, count: int) -> int:

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.checkpoint_tools import rewrite_header, rewrite_json, rewrite_tensors
+from harness.hostile.probe import HealthProbe
 from modelopt_fp8.checkpoint import Checkpoint
 from protocol.errors import CorruptFileError, InvalidConfigError
-from tests.checkpoint_tools import rewrite_header, rewrite_json, rewrite_tensors
 from tests.hostile.conftest import Hostile
-from tests.hostile.probe import HealthProbe
 
 
 def _config(**values: object) -> Callable[[Path], None]:

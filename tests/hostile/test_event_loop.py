@@ -15,8 +15,8 @@ from types import TracebackType
 import httpx
 import pytest
 
+from harness.daemon_process import InProcessDaemon, lease_body, make_settings, start_daemon
 from modelopt_fp8.processing.pool import lower_priority, set_loading_nice
-from tests.daemon_process import InProcessDaemon, lease_body, make_settings, start_daemon
 
 PATIENCE_S = 10.0  # how long a held route may wait; /health must answer well within it
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import httpx
 
-from tests.daemon_process import lease_body, start_daemon
+from harness.daemon_process import lease_body, start_daemon
+from harness.hostile.probe import HealthProbe
+from harness.waiting import wait_for
 from tests.hostile.conftest import LIMITS, Hostile
-from tests.hostile.probe import HealthProbe
-from tests.waiting import wait_for
 
 
 def expired_total(client: httpx.Client) -> float:

@@ -12,12 +12,12 @@ import threading
 
 import httpx
 
+from harness.hostile.memory import RssBack
+from harness.hostile.probe import HealthProbe
+from harness.hostile.sockets import connect, read_all, send_until_closed
+from harness.waiting import wait_for
 from service.api.peer import tcp_socket
 from tests.hostile.conftest import LIMITS, Hostile
-from tests.hostile.memory import RssBack
-from tests.hostile.probe import HealthProbe
-from tests.hostile.sockets import connect, read_all, send_until_closed
-from tests.waiting import wait_for
 
 CAP = int(LIMITS["WEIGHT_CACHE_MAX_CONNECTIONS"])
 

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
+from harness.hostile.probe import HealthProbe
+from harness.hostile.sockets import read_all
 from tests.hostile.conftest import Hostile
-from tests.hostile.probe import HealthProbe
-from tests.hostile.sockets import read_all
 
 
 def _connect(hostile: Hostile) -> socket.socket:

@@ -14,11 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.daemon_process import DaemonProcess, lease_body, start_daemon
-from tests.hostile.memory import RssBack
-from tests.hostile.probe import HealthProbe
-from tests.hostile.users import NOBODY, OTHER, UserAgent, needs_root, process_of
-from tests.waiting import wait_for
+from harness.daemon_process import DaemonProcess, lease_body, start_daemon
+from harness.hostile.memory import RssBack
+from harness.hostile.probe import HealthProbe
+from harness.hostile.users import NOBODY, OTHER, UserAgent, needs_root, process_of
+from harness.waiting import wait_for
 
 CAPS = {
     "WEIGHT_CACHE_MAX_LEASES": "40",

@@ -12,12 +12,12 @@ from pathlib import Path
 
 from fastapi.testclient import TestClient
 
+from harness.daemon_process import make_settings
+from harness.hostile.memory import RssBack
+from harness.hostile.probe import HealthProbe
+from harness.waiting import wait_for
 from service.api.app import create_app
-from tests.daemon_process import make_settings
 from tests.hostile.conftest import LIMITS, Hostile
-from tests.hostile.memory import RssBack
-from tests.hostile.probe import HealthProbe
-from tests.waiting import wait_for
 
 MODELS = int(LIMITS["WEIGHT_CACHE_MAX_MODELS"])
 ANYIO_THREADS = 40  # anyio's default worker-thread limit, which the routes' threads share

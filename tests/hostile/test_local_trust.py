@@ -20,10 +20,11 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
+from harness.cli import run_cli
+from harness.daemon_process import lease_body, start_daemon
+from harness.hostile.users import NOBODY, UserAgent, needs_root, run_as
+from harness.waiting import wait_for
 from service.memory.shm import arena_dir_path
-from tests.daemon_process import lease_body, start_daemon
-from tests.hostile.users import NOBODY, UserAgent, needs_root, run_as
-from tests.waiting import wait_for
 from weight_cache_cli import cli
 
 
@@ -213,14 +214,7 @@ def test_a_non_ascii_token_is_one_line_on_both_sides(tmp_path: Path) -> None:
         cli, ["serve", "--shm-dir", str(tmp_path), "--device", "cpu"], env=env
     )
     assert served.exit_code == 2 and "visible ASCII" in served.output
-    status = subprocess.run(
-        [sys.executable, "-m", "weight_cache_cli", "status", "--url", "http://127.0.0.1:9"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env},
-        timeout=60,
-        check=False,
-    )
+    status = run_cli("status", "--url", "http://127.0.0.1:9", env=env, timeout=60)
     assert status.returncode == 1
     assert "[unauthorized]" in status.stderr and "visible ASCII" in status.stderr
     assert "Traceback" not in status.stderr
@@ -233,14 +227,8 @@ def test_an_unsafe_shm_dir_is_one_line(tmp_path: Path) -> None:
     planted = arena_dir_path(root)
     planted.mkdir(parents=True, mode=0o777)
     os.chown(planted, NOBODY, NOBODY)
-    out = subprocess.run(
-        [sys.executable, "-m", "weight_cache_cli", "serve", "--shm-dir", str(root)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "WEIGHT_CACHE_CACHE_DIR": str(tmp_path), "WEIGHT_CACHE_DEVICE": "cpu"},
-        timeout=60,
-        check=False,
-    )
+    env = {"WEIGHT_CACHE_CACHE_DIR": str(tmp_path), "WEIGHT_CACHE_DEVICE": "cpu"}
+    out = run_cli("serve", "--shm-dir", str(root), env=env, timeout=60)
     assert out.returncode == 2
     assert "belongs to uid 65534" in out.stderr
     assert "Traceback" not in out.stderr

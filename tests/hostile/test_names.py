@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+from harness.cli import run_cli
+from harness.hostile.memory import RssBack
+from harness.hostile.probe import HealthProbe
 from tests.hostile.conftest import Hostile
-from tests.hostile.memory import RssBack
-from tests.hostile.probe import HealthProbe
 
 ODD = b"ckpt-\xff\xfe"  # not UTF-8
 
@@ -47,13 +46,7 @@ def test_a_checkpoint_behind_a_non_utf8_name_keeps_every_view_answering(
         assert info["state"] == "ready", info
         assert info["path"].endswith("ckpt-\\xff\\xfe")  # escaped, one line, valid JSON
         _views_answer(hostile, "/v1/models/odd")
-        status = subprocess.run(
-            [sys.executable, "-m", "weight_cache_cli", "status", "--url", hostile.url],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        status = run_cli("status", "--url", hostile.url, timeout=60)
         assert status.returncode == 0, status.stderr
         assert "odd" in status.stdout
         lease = hostile.lease(model="odd")

@@ -22,13 +22,14 @@ import pytest
 from click.testing import CliRunner
 from fastapi.testclient import TestClient
 
+from harness.checkpoint_tools import hub_snapshot
+from harness.cli import run_cli
+from harness.daemon_process import lease_body, make_settings, start_daemon
+from harness.hostile.users import NOBODY, needs_root
+from harness.waiting import wait_for
 from modelopt_fp8.checkpoint.locate import local_checkpoint
 from service.api.app import create_app
-from tests.checkpoint_tools import hub_snapshot
-from tests.daemon_process import lease_body, make_settings, start_daemon
 from tests.hostile.conftest import Hostile
-from tests.hostile.users import NOBODY, needs_root
-from tests.waiting import wait_for
 from weight_cache_cli import cli
 from weight_cache_cli.serve import build_settings
 
@@ -140,13 +141,7 @@ def other_web_server() -> Iterator[str]:
 
 def test_status_against_another_web_server_is_bad_response(other_web_server: str) -> None:
     """It printed internal_error and the HTML page; the README promises bad_response."""
-    out = subprocess.run(
-        [sys.executable, "-m", "weight_cache_cli", "status", "--url", other_web_server],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    out = run_cli("status", "--url", other_web_server, timeout=60)
     assert out.returncode == 1
     assert "[bad_response]" in out.stderr and "internal_error" not in out.stderr
     assert "<html>" not in out.stderr and len(out.stderr.strip().splitlines()) == 1

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.daemon_process import DaemonProcess, start_daemon
-from tests.hostile.users import NOBODY, OTHER, UserAgent, needs_root, process_of
+from harness.daemon_process import DaemonProcess, start_daemon
+from harness.hostile.users import NOBODY, OTHER, UserAgent, needs_root, process_of
 
 CAPS = {
     "WEIGHT_CACHE_MAX_PARKED": "12",

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.checkpoint_tools import rewrite_header
+from harness.hostile.probe import HealthProbe
 from modelopt_fp8.checkpoint import checkpoint_fingerprint
-from tests.checkpoint_tools import rewrite_header
 from tests.hostile.conftest import Hostile
-from tests.hostile.probe import HealthProbe
 
 
 @pytest.mark.parametrize(

@@ -17,11 +17,11 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
+from harness.daemon_process import start_daemon
+from harness.hostile.probe import HealthProbe
+from harness.hostile.users import NOBODY, run_as
 from service.memory.shm import FILE_PREFIX, arena_dir_path
-from tests.daemon_process import start_daemon
 from tests.hostile.conftest import Hostile
-from tests.hostile.probe import HealthProbe
-from tests.hostile.users import NOBODY, run_as
 from weight_cache_cli import cli
 
 

@@ -30,13 +30,13 @@ from engine_client.fallback import record_fallback
 from engine_client.parking import ParkingSpot, wait_until_released
 from engine_client.startup_slot import take_startup_slot
 from engine_client.verify import Expectations
+from harness.daemon_process import lease_body
 from modelopt_fp8.checkpoint import IdentityTier
 from protocol.checksum import storage_checksum
 from protocol.errors import ParkEndedError
 from protocol.schemas.leases import LeaseGrant
 from protocol.schemas.manifest import ShmHandle
 from protocol.shm import map_read_only
-from tests.daemon_process import lease_body
 
 
 def lease(url: str, model: str, ttl: float = 60.0) -> LeaseGrant:

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import httpx
 
+from harness.daemon_process import DaemonProcess, lease_body, start_daemon
+from harness.waiting import wait_for
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import plan_model, process_checkpoint
+from modelopt_fp8.processing.execute import process_checkpoint
+from modelopt_fp8.processing.plan import plan_model
 from protocol.checksum import storage_checksum
-from tests.daemon_process import DaemonProcess, lease_body, start_daemon
-from tests.waiting import wait_for
 
 CHILD = [sys.executable, "-m", "tests.integration.engine_child"]
 

@@ -16,13 +16,13 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.daemon_process import DaemonProcess, lease_body, start_daemon
 from protocol.errors import HandleRefusedError
 from protocol.fd_passing import receive_message
 from protocol.handle_socket import HandleAnswer, fetch_arena_fd
 from protocol.schemas.leases import LeaseGrant
 from protocol.schemas.manifest import HandleAccess, ShmHandle
 from service.run_dir import HANDLE_SOCKET
-from tests.daemon_process import DaemonProcess, lease_body, start_daemon
 
 # Presents a lease to the handle socket from another process; prints the outcome as JSON.
 PRESENT = """

@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.daemon_process import DaemonProcess, start_daemon
+from harness.waiting import wait_for
 from service.demo import write_demo_checkpoint
-from tests.daemon_process import DaemonProcess, start_daemon
-from tests.waiting import wait_for
 
 CLI = [sys.executable, "-m", "weight_cache_cli"]
 CHILD = [sys.executable, "-m", "tests.integration.engine_child"]

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.daemon_process import DaemonProcess, free_port, lease_body, start_daemon
-from tests.waiting import wait_for
+from harness.daemon_process import DaemonProcess, free_port, lease_body, start_daemon
+from harness.waiting import wait_for
 
 CHILD = [sys.executable, "-m", "tests.integration.engine_child"]
 CLI = [sys.executable, "-m", "weight_cache_cli"]

@@ -16,12 +16,12 @@ from engine_client.attach import attach
 from engine_client.checkpoint_read import attach_or_read
 from engine_client.client import ClientConfig
 from engine_client.verify import Expectations
+from harness.daemon_process import free_port, lease_body, start_daemon
+from harness.waiting import wait_for
 from protocol.errors import DaemonRestartedError
 from protocol.shm import map_read_only
 from service.demo import write_demo_checkpoint
 from service.memory.shm import arena_dir_path
-from tests.daemon_process import free_port, lease_body, start_daemon
-from tests.waiting import wait_for
 
 CPU = torch.device("cpu")
 

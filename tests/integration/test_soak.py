@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from engine_client.client import ClientConfig, DaemonClient
-from tests.daemon_process import DaemonProcess, start_daemon
-from tests.waiting import wait_for
+from harness.daemon_process import DaemonProcess, start_daemon
+from harness.waiting import wait_for
 
 CYCLES = 10_000
 PROCESSES = 4

@@ -21,9 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.daemon_process import DaemonProcess, start_daemon
+from harness.daemon_process import DaemonProcess, start_daemon
+from harness.waiting import wait_for
 from tests.deploy.test_caddy import CADDYFILE, Stream, caddy, distinct_free_ports
-from tests.waiting import wait_for
 
 CLI = [sys.executable, "-m", "weight_cache_cli"]
 pytestmark = pytest.mark.skipif(

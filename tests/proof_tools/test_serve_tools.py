@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
+from harness.daemon_process import free_port
+from harness.waiting import wait_for
 from protocol.processes import process_tree
-from tests.daemon_process import free_port
 from tests.gpu import serve_report
 from tests.gpu.caddy_proxy import CADDYFILE, CaddyProxy, find_caddy
 from tests.gpu.completions import RequestStream, StreamAccount
@@ -27,7 +28,6 @@ from tests.gpu.processes import Line, LoggedProcess, read_chars
 from tests.gpu.serve_engine import ServeEngine, loader_config, vllm_serve_argv
 from tests.gpu.token_server import tokens_for
 from tests.gpu.vllm_logs import loading_figures, serve_phases
-from tests.waiting import wait_for
 
 PROMPT = [151, 2048, 9000, 17]
 

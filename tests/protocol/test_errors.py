@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.cli import run_cli
 from protocol.errors import UnauthorizedError, VerificationError, error_classes, error_from_problem
 from protocol.reasons import Reason
 
@@ -62,19 +63,13 @@ def test_an_error_takes_a_reason_and_the_wire_carries_its_value() -> None:
 
 
 def test_the_cli_tells_its_user_how_to_pass_a_token(tmp_path: Path, tiny_fp8: Path) -> None:
-    from tests.daemon_process import start_daemon
+    from harness.daemon_process import start_daemon
 
     (tmp_path / "token").write_text("secret-1\n")
     (tmp_path / "token").chmod(0o600)  # the daemon refuses a token file others may read
     daemon = start_daemon(tmp_path, [tiny_fp8], "--token-file", str(tmp_path / "token"))
     try:
-        out = subprocess.run(
-            [sys.executable, "-m", "weight_cache_cli", "status", "--url", daemon.url],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        out = run_cli("status", "--url", daemon.url, timeout=60)
     finally:
         daemon.stop()
     assert out.returncode == 1

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.checkpoint_tools import all_tensors
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import plan_model
+from modelopt_fp8.processing.plan import plan_model
 from service.demo import SHAPES, write_demo_checkpoint
-from tests.checkpoint_tools import all_tensors
 from tests.conftest import FIXTURES
 
 

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from engine_client.engine_api import SLEEP_FLAG
+from harness.checkpoint_tools import hub_snapshot
 from modelopt_fp8.checkpoint.locate import locate_checkpoint
-from protocol.errors import CheckpointNotFoundError
-from service.env import check_environment, env_names, known_variables
-from service.setting import setting_of
+from protocol.errors import CheckpointNotFoundError, error_classes
+from protocol.setting import setting_of
+from service.env import SETTINGS_MODELS, check_environment, env_names, known_variables
 from service.settings import DaemonSettings
-from tests.checkpoint_tools import hub_snapshot
 from weight_cache_cli import cli
 from weight_cache_cli.serve import SettingsError, build_settings
 from weight_cache_cli.settings_table import with_table
@@ -160,3 +161,28 @@ def test_every_variable_of_a_setting_sets_it(monkeypatch, field: str) -> None:
         monkeypatch.setenv(name, value)
         assert str(getattr(DaemonSettings(), field)).lower() in (value, f"{value}.0")
         monkeypatch.delenv(name)
+
+
+def test_every_flag_and_variable_an_error_names_is_a_setting() -> None:
+    """Hints name flags and variables as text where the model is out of reach (``protocol``
+    cannot import the daemon's settings): each must still be one a settings model declares."""
+    flags = {
+        flag
+        for model in SETTINGS_MODELS
+        for field in model.model_fields.values()
+        for described in [setting_of(field)]
+        for flag in (*described.flags, *(f"--no-{f[2:]}" for f in described.flags))
+    }
+    variables = set(known_variables())
+    # vLLM's own flag a hint may name (tests/vllm/test_engine_api.py holds it to vLLM).
+    flags.add(SLEEP_FLAG)
+    named: dict[str, set[str]] = {}
+    for code, cls in error_classes().items():
+        for text in (cls.hint, getattr(cls, "cli_hint", None) or ""):
+            named.setdefault(code, set()).update(re.findall(r"(?<![\w-])--[a-z][a-z-]*", text))
+            named[code].update(re.findall(r"WEIGHT_CACHE_[A-Z_]+", text))
+    unknown = {
+        code: sorted(n for n in names if n not in flags and n not in variables)
+        for code, names in named.items()
+    }
+    assert {code: names for code, names in unknown.items() if names} == {}

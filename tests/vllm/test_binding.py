@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch.multiprocessing.spawn import start_processes
 
+from harness.daemon_process import free_port
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.checkpoint.architecture import PACKED_MODULES, Parallelism, linear_specs
-from modelopt_fp8.processing import plan_model
+from modelopt_fp8.processing.plan import plan_model
 from tests.conftest import FIXTURES
-from tests.daemon_process import free_port
 from tests.reference_processing import read_shards
 from tests.vllm.vllm_model import build, configs, vllm_world
 
@@ -92,23 +92,21 @@ def _rank_worker(rank: int, tp: int, path: str, port: int, out: str) -> None:
             plan = plan_model(ckpt, tp, rank)
             for lp in plan.linears:
                 module = modules[lp.layout.name]
-                shards = read_shards(ckpt, lp, plan.scales)
-                ours = torch.cat([s.weight for s in shards])
+                ours = torch.cat(read_shards(ckpt, lp))
                 theirs = module.weight.data  # vLLM's fused, sharded weight before processing
                 same = theirs.shape == ours.shape and torch.equal(
                     theirs.view(torch.uint8), ours.contiguous().view(torch.uint8)
                 )
                 scale = module.weight_scale.data
-                weight_scales = [_present(s.weight_scale) for s in shards]
-                if lp.layout.scheme.value == "fp8":
-                    ours_scale = torch.stack([w.reshape(()) for w in weight_scales])
+                scales = lp.shard_scales(plan.scales)
+                if lp.layout.scheme == "fp8":
+                    ours_scale = torch.stack([_present(s.weight_scale).reshape(()) for s in scales])
                     same = same and torch.equal(scale, ours_scale)
-                    ours_in = torch.stack([_present(s.input_scale).reshape(()) for s in shards])
+                    ours_in = torch.stack([_present(s.input_scale).reshape(()) for s in scales])
                     same = same and torch.equal(module.input_scale.data, ours_in)
-                else:
-                    same = same and torch.equal(
-                        scale, torch.cat([w.reshape(-1) for w in weight_scales])
-                    )
+                else:  # per channel: this rank's rows of each shard's scales
+                    rows = [_present(s.weight_scale).reshape(-1)[slice(*s.rows)] for s in scales]
+                    same = same and torch.equal(scale, torch.cat(rows))
                 result["checked" if same else "mismatch"].append(lp.layout.name)
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch import nn
 
+from harness.daemon_process import free_port
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import plan_model
+from modelopt_fp8.processing.plan import plan_model
 from protocol.schemas.layout import CarriedKind
 from tests.conftest import FIXTURES
-from tests.daemon_process import free_port
 from tests.vllm.cpu_capabilities import FP8_KV_CACHE_NEEDS, current_view, viewing
 from tests.vllm.model_state import model_state
 from tests.vllm.variants import make_variant

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.daemon_process import DaemonProcess, free_port
+from harness.daemon_process import DaemonProcess, free_port
 from tests.vllm.test_plugin import load_allowing_missing_cpu_ops, observe_default_loader
 from tests.vllm.vllm_model import configs, vllm_world
 

@@ -16,13 +16,13 @@ import httpx
 import pytest
 from torch.multiprocessing.spawn import start_processes
 
+from harness.daemon_process import DaemonProcess, free_port, start_daemon
+from harness.waiting import wait_for
 from tests.conftest import FIXTURES
-from tests.daemon_process import DaemonProcess, free_port, start_daemon
 from tests.vllm.model_state import model_state
 from tests.vllm.test_plugin import load_allowing_missing_cpu_ops, observe_default_loader
 from tests.vllm.variants import make_variant
 from tests.vllm.vllm_model import configs, cutlass_kernel_on_cpu, vllm_world
-from tests.waiting import wait_for
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkpoint_tools import hub_snapshot
-from tests.daemon_process import free_port
+from harness.checkpoint_tools import hub_snapshot
+from harness.daemon_process import free_port
 from tests.vllm.vllm_model import configs, vllm_world
 
 # How torch reports a custom op that no loaded library registered.

@@ -25,14 +25,14 @@ import pytest
 import torch
 from torch.multiprocessing.spawn import start_processes
 
+from harness.daemon_process import DaemonProcess, free_port, start_daemon
+from harness.waiting import wait_for
 from protocol.schemas.layout import CarriedKind
 from tests.conftest import FIXTURES
-from tests.daemon_process import DaemonProcess, free_port, start_daemon
 from tests.vllm.cpu_capabilities import FP8_KV_CACHE_NEEDS, CpuView, current_view, viewing
 from tests.vllm.model_state import model_state
 from tests.vllm.variants import make_variant
 from tests.vllm.vllm_model import configs, cutlass_kernel_on_cpu, vllm_world
-from tests.waiting import wait_for
 
 EXPORTS = {
     "llama": "llama-fp8-kv",  # per-tensor FP8 with KV-cache scales

@@ -4,21 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
-from tests.daemon_process import free_port
-
-CLI = [sys.executable, "-m", "weight_cache_cli"]
+from harness.cli import CLI, run_cli
+from harness.daemon_process import free_port
 
 
 def test_attach_check_json(daemon_process) -> None:
-    out = subprocess.run(
-        [*CLI, "attach", "--url", daemon_process.url, "--check", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+    out = run_cli("attach", "--url", daemon_process.url, "--check", "--json", check=True)
     report = json.loads(out.stdout)
     assert report["model"] == "tiny" and report["tensors"] == 35 and report["layers"] == 8
     assert report["zero_copy"] is True and report["matches_disk_load"] is True
@@ -28,24 +20,12 @@ def test_attach_check_json(daemon_process) -> None:
 
 
 def test_attach_reports_a_missing_daemon() -> None:
-    out = subprocess.run(
-        [*CLI, "attach", "--url", f"http://127.0.0.1:{free_port()}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    out = run_cli("attach", "--url", f"http://127.0.0.1:{free_port()}")
     assert out.returncode == 1 and "daemon_unavailable" in out.stderr
 
 
 def test_status_table(daemon_process) -> None:
-    out = subprocess.run(
-        [*CLI, "status", "--url", daemon_process.url],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+    out = run_cli("status", "--url", daemon_process.url, check=True)
     assert "tiny" in out.stdout and "ready" in out.stdout and "FP8" in out.stdout
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -14,21 +13,9 @@ from pathlib import Path
 
 import httpx
 
-from tests.daemon_process import free_port, start_daemon
-from tests.waiting import wait_for
-
-CLI = [sys.executable, "-m", "weight_cache_cli"]
-
-
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
-    return subprocess.run(
-        [*CLI, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        env={**os.environ, **(env or {})},
-    )
+from harness.cli import CLI, run_cli
+from harness.daemon_process import free_port, start_daemon
+from harness.waiting import wait_for
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -123,7 +110,7 @@ def test_bad_settings_are_one_line_and_status_2(tmp_path: Path) -> None:
 def test_a_repo_id_and_a_relative_path_serve_as_absolute_paths(
     tmp_path: Path, tiny_fp8: Path
 ) -> None:
-    from tests.checkpoint_tools import hub_snapshot
+    from harness.checkpoint_tools import hub_snapshot
 
     snapshot = hub_snapshot(tmp_path / "hf" / "hub", "acme/tiny-fp8")
     for item in tiny_fp8.iterdir():

@@ -25,6 +25,7 @@ from protocol.schemas.parking import (
     ParkState,
     ReleaseCause,
 )
+from protocol.schemas.tensor_parallel import MAX_TP_SIZE
 from service.api.problems import problem_responses
 from service.api.routes.deps import CallerDep, DaemonDep, RegistrationId, WaitsDep
 from service.registry.lease_holders import prove_holder
@@ -103,7 +104,7 @@ def release_oldest(
     model_id: ModelId,
     daemon: DaemonDep,
     caller: CallerDep,
-    tp_size: Annotated[int | None, Query(ge=1, le=64, description="default: any")] = None,
+    tp_size: Annotated[int | None, Query(ge=1, le=MAX_TP_SIZE, description="default: any")] = None,
 ) -> list[ParkedEngine]:
     released = daemon.parking.release_oldest(
         model_id, tp_size, ReleaseCause.operator, time.time(), caller

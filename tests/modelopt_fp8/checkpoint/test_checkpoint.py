@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.checkpoint_tools import rewrite_header
 from modelopt_fp8.checkpoint import Checkpoint
 from protocol.errors import (
     CheckpointNotFoundError,
@@ -19,7 +20,6 @@ from protocol.errors import (
     NotModelOptCheckpointError,
 )
 from service.demo import write_demo_checkpoint
-from tests.checkpoint_tools import rewrite_header
 from tests.conftest import MODELOPT_EXPORTS
 
 

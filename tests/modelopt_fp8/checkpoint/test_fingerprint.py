@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.checkpoint_tools import rewrite_tensors
 from modelopt_fp8.checkpoint import Checkpoint, IdentityTier, checkpoint_fingerprint
 from modelopt_fp8.checkpoint.fingerprint import SAMPLE_BYTES, SAMPLE_WINDOWS, sample_windows
 from protocol.errors import NotRegularFileError
 from service.demo import write_demo_checkpoint
-from tests.checkpoint_tools import rewrite_tensors
 
 
 def digest(path: Path, tier: IdentityTier) -> str | None:

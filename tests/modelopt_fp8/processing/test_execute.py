@@ -11,21 +11,16 @@ import torch
 from hypothesis import given, settings
 
 from engine_client.fp8_linear import Fp8LinearWeights, fp8_linear
+from harness.checkpoint_tools import all_tensors, rewrite_tensors
+from harness.plain_processing import process_layer
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.checkpoint.architecture import linear_specs
-from modelopt_fp8.processing import plan_model, process_checkpoint
-from modelopt_fp8.processing.cutlass import weight_storage_shape
+from modelopt_fp8.processing.execute import process_checkpoint
 from modelopt_fp8.processing.fp8 import FP8_DTYPE
-from protocol.schemas.layout import (
-    ActivationQuant,
-    Kernel,
-    LayerLayout,
-    Scheme,
-    WeightFormat,
-)
-from tests.checkpoint_tools import all_tensors, rewrite_tensors
+from modelopt_fp8.processing.plan import plan_model
+from modelopt_fp8.schemes import LinearScheme, fp8, fp8_pc_pt
+from modelopt_fp8.schemes.base import FusedLayer, LaidOut, ShardScales
 from tests.conftest import MODELOPT_EXPORTS
-from tests.reference_processing import LinearOutputs, ShardData, process_linear
 from tests.vllm_reference import vllm_linear
 
 
@@ -161,68 +156,48 @@ def test_hand_computed_tp_split(tiny_fp8: Path) -> None:
             assert torch.allclose(got, ref, rtol=0.13, atol=1e-6)
 
 
-def _layout(scheme: Scheme, widths: list[int], k: int) -> LayerLayout:
-    n = sum(widths)
-    n_pad, k_pad = weight_storage_shape(n, k)
-    fp8 = scheme is Scheme.fp8
-    return LayerLayout(
-        name="l",
-        scheme=scheme,
-        quant_algo="FP8" if fp8 else "FP8_PER_CHANNEL_PER_TOKEN",
-        kernel=Kernel.cutlass,
-        format=WeightFormat.default,
-        processed_weight_dims=(0, 1),
-        input_size=k,
-        padded_input_size=k_pad,
-        output_size=n,
-        padded_output_size=n_pad,
-        logical_widths=widths,
-        shard_names=[f"s{i}" for i in range(len(widths))],
-        activation_quant=ActivationQuant.static_per_tensor
-        if fp8
-        else ActivationQuant.dynamic_per_token,
-        weight="w",
-        weight_scale="ws",
-        input_scale="is" if fp8 else None,
-    )
+def _views(laid: LaidOut, storages: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    specs = [s for s in (laid.weight, laid.weight_scale, laid.input_scale) if s is not None]
+    return {spec.name: spec.view(storages[spec.name]) for spec in specs}
 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    scheme=st.sampled_from([Scheme.fp8, Scheme.fp8_pc_pt]),
+    scheme=st.sampled_from([fp8.SCHEME, fp8_pc_pt.SCHEME]),
     widths=st.lists(st.integers(1, 40), min_size=1, max_size=3),
     k=st.integers(1, 70),
     m=st.integers(1, 5),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_processing_then_gemm_matches_dequantized_reference(
-    scheme: Scheme, widths: list[int], k: int, m: int, seed: int
+    scheme: LinearScheme, widths: list[int], k: int, m: int, seed: int
 ) -> None:
     g = torch.Generator().manual_seed(seed)
-    fp8 = scheme is Scheme.fp8
-    shards, deq = [], []
+    per_tensor = scheme is fp8.SCHEME  # else one scale per output row
+    weights: list[torch.Tensor] = []
+    shards: list[ShardScales] = []
+    deq: list[torch.Tensor] = []
     input_scale = torch.tensor(0.01 + 0.05 * float(torch.rand((), generator=g)))
     for rows in widths:
         q = (torch.randn(rows, k, generator=g) * 100).clamp(-448, 448).to(FP8_DTYPE)
-        if fp8:
+        if per_tensor:
             scale = (torch.rand((), generator=g) * 0.01 + 1e-4).to(torch.float32)
             deq.append(q.float() * scale)
         else:
             scale = (torch.rand(rows, generator=g) * 0.01 + 1e-4).to(torch.float32)
             deq.append(q.float() * scale[:, None])
-        shards.append(ShardData(q, scale, input_scale if fp8 else None))
-    layout = _layout(scheme, widths, k)
-    n_pad, k_pad = weight_storage_shape(layout.output_size, k)
-    out = LinearOutputs(
-        torch.empty(n_pad, k_pad, dtype=FP8_DTYPE),
-        torch.empty(() if fp8 else (n_pad,), dtype=torch.float32),
-        torch.empty((), dtype=torch.float32) if fp8 else None,
+        weights.append(q)
+        shards.append(ShardScales(scale, input_scale, (0, rows)))
+    names = ("s",) * len(widths)
+    laid = scheme.lay_out(
+        FusedLayer("l", tuple(widths), k, FP8_DTYPE, str(scheme.quant_algo), names, None)
     )
-    process_linear(scheme, shards, out)
-    weights = Fp8LinearWeights(layout, out.weight.t(), out.weight_scale, out.input_scale, None)
+    out = process_layer(scheme, laid, weights, shards)
+    layout = laid.layout
+    layer = Fp8LinearWeights.from_tensors(layout, _views(laid, out))
 
     x = (torch.randn(m, k, generator=g) * 0.5).to(torch.bfloat16)
-    y = fp8_linear(x, weights).float()
+    y = fp8_linear(x, layer).float()
     ref = x.float() @ torch.cat(deq).t()
     # e4m3 carries 3 mantissa bits: activation and (re)quantized weight each err by <= 1/16,
     # so the sum of m products is within 2^-3 of |x| @ |W| relative.

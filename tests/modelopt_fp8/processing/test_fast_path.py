@@ -1,6 +1,6 @@
 """The load path (preadv into place, chunked checks, code maps, checksums, shared pool) gives
-byte for byte what the reference path gives (``tests/reference_processing.py``: today's
-safetensors read, copy, requantize, pad, layer by layer), for ordinary loads and for the
+byte for byte what the plain path gives (``tests/reference_processing.py``: whole tensors
+read, copied, requantized and padded in torch, layer by layer), for ordinary loads and for the
 daemon's shared-memory arenas, on every fixture checkpoint at TP 1, 2 and 4."""
 
 from __future__ import annotations
@@ -16,17 +16,18 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+from harness.checkpoint_tools import rewrite_tensors
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.processing import fill as fill_module
-from modelopt_fp8.processing import plan_model, process_checkpoint
-from modelopt_fp8.processing.execute import plan_jobs, requantize_maps
+from modelopt_fp8.processing.execute import plan_jobs, process_checkpoint
 from modelopt_fp8.processing.fill import run_jobs
 from modelopt_fp8.processing.fp8 import FP8_DTYPE, CodeMap, requantize_lut
 from modelopt_fp8.processing.integrity import any_non_finite, has_non_finite
-from modelopt_fp8.processing.plan import ModelPlan
+from modelopt_fp8.processing.plan import ModelPlan, plan_model
 from modelopt_fp8.processing.pool import shared_pool
 from modelopt_fp8.processing.rows import RowFill
 from modelopt_fp8.processing.source import SourceFiles, read_into
+from modelopt_fp8.schemes.fp8 import requantize_maps
 from protocol.checksum import storage_checksum
 from protocol.devices import Placement
 from protocol.errors import CorruptFileError
@@ -34,9 +35,8 @@ from protocol.schemas.manifest import DeviceKind
 from service.demo import write_demo_checkpoint
 from service.memory.shm import ArenaDir
 from service.registry.loader import LoadRequest, Progress, load_model
-from tests.checkpoint_tools import rewrite_tensors
 from tests.conftest import MODELOPT_EXPORTS
-from tests.reference_processing import reference_storages
+from tests.reference_processing import assert_load_matches_reference, reference_storages
 
 TP_RANKS = [(1, 0), (2, 0), (2, 1), (4, 0), (4, 3)]
 
@@ -64,18 +64,7 @@ def shm_request(path: Path, shm: Path, tp: int) -> LoadRequest:
 def assert_arena_matches_reference(path: Path, shm: Path, tp: int) -> None:
     """The daemon's load (pwrite into shared-memory arenas): the bytes of every rank and the
     manifest's checksums are the reference path's."""
-    ranks = load_model(shm_request(path, shm, tp), Progress())
-    try:
-        for rank in ranks:
-            plan, want = reference_storages(path, tp, rank.manifest.tp_rank)
-            specs = {s.name: s for s in plan.specs}
-            for entry in rank.manifest.tensors:
-                stored = rank.arena.storage(specs[entry.name])
-                assert torch.equal(_raw(stored), _raw(want[entry.name])), entry.name
-                assert entry.checksum == storage_checksum(want[entry.name]), entry.name
-    finally:
-        for rank in ranks:
-            rank.arena.release()
+    assert_load_matches_reference(shm_request(path, shm, tp), "cpu")
 
 
 @pytest.mark.parametrize("export", MODELOPT_EXPORTS, ids=lambda p: p.name)

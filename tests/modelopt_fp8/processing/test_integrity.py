@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.checkpoint_tools import rewrite_tensors
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import plan_model, process_checkpoint
+from modelopt_fp8.processing.execute import process_checkpoint
+from modelopt_fp8.processing.plan import plan_model
 from protocol.errors import CorruptFileError
-from tests.checkpoint_tools import rewrite_tensors
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.checkpoint_tools import rewrite_json, rewrite_tensors
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import plan_model
+from modelopt_fp8.processing.plan import plan_model
 from protocol.errors import (
     InvalidScaleError,
     MissingTensorError,
@@ -18,7 +19,6 @@ from protocol.errors import (
     TensorShapeError,
     UnsupportedQuantAlgoError,
 )
-from tests.checkpoint_tools import rewrite_json, rewrite_tensors
 
 Q = "model.layers.1.self_attn.q_proj"
 
@@ -61,7 +61,7 @@ def test_exclusion_keeps_a_layer_unquantized(tiny_fp8: Path, copy_of) -> None:
     with Checkpoint.open(path) as ckpt:
         plan = plan_model(ckpt)
     layout = plan.linears[2].layout
-    assert layout.scheme.value == "unquantized" and layout.kernel.value == "none"
+    assert layout.scheme == "unquantized" and layout.kernel.value == "none"
     assert plan.linears[2].weight.shape == (168, 64)  # fused [N, K], not transposed or padded
 
 

@@ -9,14 +9,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
+from harness.daemon_process import lease_body, make_settings
+from harness.waiting import wait_for
+from protocol.schemas.leases import LeaseGrant
+from protocol.schemas.manifest import ShmHandle
 from protocol.schemas.models import ModelState
+from protocol.shm import map_read_only
 from service.api.app import create_app
 from service.daemon import Daemon
 from service.memory.shm import arena_dir_path
-from tests.daemon_process import lease_body, make_settings
-from tests.waiting import wait_for
 
 
 @dataclass
@@ -37,6 +41,18 @@ class Served:
 
     def lease_body(self, **over: Any) -> dict[str, Any]:
         return lease_body(**over)
+
+    def lease(self, **over: Any) -> LeaseGrant:
+        """A lease granted (any refusal fails here), as the schema reads it."""
+        r = self.client.post("/v1/leases", json=self.lease_body(**over))
+        assert r.status_code == 201, r.text
+        return LeaseGrant.model_validate(r.json())
+
+    def mapped_arena(self, grant: LeaseGrant) -> torch.Tensor:
+        """The shared-memory arena ``grant`` lends, mapped read-only as an engine maps it."""
+        handle = grant.arenas[0].handle
+        assert isinstance(handle, ShmHandle)
+        return map_read_only(Path(handle.path), handle.size)
 
     def snapshot(self) -> dict[str, Any]:
         """What must not change when a request is refused."""

@@ -10,9 +10,6 @@ from pathlib import Path
 import pytest
 
 from modelopt_fp8.checkpoint import Checkpoint
-from protocol.schemas.leases import LeaseGrant
-from protocol.schemas.manifest import ShmHandle
-from protocol.shm import map_read_only
 from tests.service.api.conftest import Served
 
 
@@ -32,12 +29,8 @@ def lose(path: Path, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["removed", "replaced"])
 def test_lost_arena_fails_the_model_before_a_grant(served: Served, how: str) -> None:
-    held = LeaseGrant.model_validate(
-        served.client.post("/v1/leases", json=served.lease_body()).json()
-    )
-    handle = held.arenas[0].handle
-    assert isinstance(handle, ShmHandle)
-    mapped = map_read_only(Path(handle.path), handle.size)
+    held = served.lease()
+    mapped = served.mapped_arena(held)
     before = mapped.clone()
     lose(arena_file(served), how)
 
@@ -87,7 +80,5 @@ def test_digests_are_published(served: Served, tiny_fp8: Path) -> None:
         expected = ckpt.digests.model_copy(update={"full": ckpt.full_digest()})
     info = served.client.get("/v1/models/tiny").json()
     assert info["digests"] == expected.model_dump() and info["fingerprint"] == expected.sampled
-    grant = LeaseGrant.model_validate(
-        served.client.post("/v1/leases", json=served.lease_body()).json()
-    )
+    grant = served.lease()
     assert grant.full_manifest().checkpoint.digests == expected

@@ -11,8 +11,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
+from harness.daemon_process import DaemonProcess, start_daemon
 from service.demo import write_demo_checkpoint
-from tests.daemon_process import DaemonProcess, start_daemon
 
 ROOT = Path(__file__).resolve().parents[3]
 schema = schemathesis.openapi.from_path(ROOT / "openapi.json")

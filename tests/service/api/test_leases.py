@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.waiting import wait_for
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.processing import plan_model, process_checkpoint
+from modelopt_fp8.processing.execute import process_checkpoint
+from modelopt_fp8.processing.plan import plan_model
 from protocol.schemas.leases import LeaseGrant
 from protocol.schemas.manifest import ShmHandle
-from protocol.shm import map_read_only
 from tests.service.api.conftest import Served
-from tests.waiting import wait_for
 
 
 def test_grant_returns_a_complete_manifest(served: Served, tiny_fp8: Path) -> None:
@@ -42,12 +42,8 @@ def test_grant_returns_a_complete_manifest(served: Served, tiny_fp8: Path) -> No
 
 
 def test_leased_bytes_equal_an_ordinary_load(served: Served, tiny_fp8: Path) -> None:
-    grant = LeaseGrant.model_validate(
-        served.client.post("/v1/leases", json=served.lease_body()).json()
-    )
-    handle = grant.arenas[0].handle
-    assert isinstance(handle, ShmHandle)
-    base = map_read_only(Path(handle.path), handle.size)
+    grant = served.lease()
+    base = served.mapped_arena(grant)
     with Checkpoint.open(tiny_fp8) as ckpt:
         expected = process_checkpoint(ckpt, plan_model(ckpt))
     for entry in grant.full_manifest().tensors:
@@ -195,9 +191,7 @@ def test_rendered_grant_is_exactly_the_schemas_json(served: Served) -> None:
 
 
 def test_known_layout_skips_the_manifest(served: Served) -> None:
-    first = LeaseGrant.model_validate(
-        served.client.post("/v1/leases", json=served.lease_body()).json()
-    )
+    first = served.lease()
     digest = first.layout_digest
     slim = served.client.post("/v1/leases", json=served.lease_body(known_layout=digest))
     assert slim.status_code == 201

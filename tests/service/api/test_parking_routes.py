@@ -7,10 +7,10 @@ import os
 import threading
 from typing import Any
 
+from harness.waiting import wait_for
 from protocol.schemas.parking import ParkedEngine
 from protocol.schemas.startup_slots import SlotTicket
 from tests.service.api.conftest import Served
-from tests.waiting import wait_for
 
 
 def park_body(group: str = "g1", **over: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.daemon_process import lease_body
+from harness.daemon_process import lease_body
 from tests.service.api.conftest import Served
 from tests.service.api.test_parking_routes import park_body
 

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from harness.waiting import wait_for
 from service.memory.devices import process_alive
 from service.registry.exit_watch import ExitWatch
 from tests.service.registry.processes import start_of
-from tests.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(not ExitWatch.available(), reason="no pidfds here")
 

@@ -8,10 +8,6 @@ import contextlib
 import socket
 
 
-def port_of(url: str) -> int:
-    return int(url.rsplit(":", 1)[1])
-
-
 def connect(port: int, rcvbuf: int | None = None, timeout_s: float = 10) -> socket.socket:
     s = socket.socket()
     if rcvbuf is not None:  # a small window: the daemon's answers back up at once

@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from bench.common import percentile
+from harness.timing import percentile
 
 GENEROUS_S = 2.0  # what "kept answering" means in a test; the bench measures the real figures
 

@@ -1,5 +1,5 @@
 """An engine that keeps computing on leased weights, for the restart tests (run as a script):
-``python -m tests.computing_engine URL MODEL CHECKPOINT DEVICE``.
+``python -m harness.computing_engine URL MODEL CHECKPOINT DEVICE``.
 
 It attaches (renewing every 0.2 s), runs every layer's FP8 forward on a fixed input once as
 its reference, then runs it again and again in a thread, comparing each result with the
@@ -28,7 +28,7 @@ def main() -> None:
     url, model, checkpoint, device_name = sys.argv[1:5]
     device = torch.device(device_name)
     if device.type == "cuda":
-        torch.cuda.init()
+        torch.cuda.init()  # type: ignore[no-untyped-call]
     expect = Expectations.for_checkpoint(Path(checkpoint), device)
     att = attach(
         model, expect, config=ClientConfig(url=url, retries=0), ttl_s=30, renew_every_s=0.2

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from service.logsafe import escape_controls, get_logger
+from protocol.logsafe import escape_controls, get_logger
 
 
 def test_escape_controls() -> None:

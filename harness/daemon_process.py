@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from harness.waiting import wait_for
 from service.memory.shm import arena_dir_path
-from tests.waiting import wait_for
 
 if TYPE_CHECKING:
     from service.settings import DaemonSettings
@@ -72,6 +72,10 @@ class DaemonProcess:
     shm_dir: Path  # the daemon's private arena directory under the --shm-dir given
     log: Path
     run_dir: Path  # its handle socket and its keeper's socket
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.process.poll() is None:
@@ -221,7 +225,7 @@ def keeper_status(run_dir: Path) -> Any:
 
 def stop_keeper(run_dir: Path) -> None:
     """SIGTERM the keeper on ``run_dir`` (it lets go of everything) and wait until it is gone."""
-    from tests.waiting import wait_for
+    from harness.waiting import wait_for
 
     status = keeper_status(run_dir)
     if status is None:
@@ -231,11 +235,11 @@ def stop_keeper(run_dir: Path) -> None:
 
 
 class ComputingEngine:
-    """``tests.computing_engine`` in a child process: attached, computing, answering."""
+    """``harness.computing_engine`` in a child process: attached, computing, answering."""
 
     def __init__(self, url: str, model: str, checkpoint: Path, device: str = "cpu") -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.computing_engine", url, model, str(checkpoint), device],
+            [sys.executable, "-m", "harness.computing_engine", url, model, str(checkpoint), device],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -267,3 +271,46 @@ class ComputingEngine:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+class KeptDaemons:
+    """A daemon whose arenas a keeper holds, and the daemon started after it on the same port,
+    shared memory and run directory (a restart, an upgrade): ``with KeptDaemons(...) as kept:``
+    starts the first (model ``tiny``); :meth:`restart` starts the next; leaving the block kills
+    both and stops the keeper."""
+
+    def __init__(self, tmp_path: Path, model: Path, device: str = "cpu") -> None:
+        self.tmp_path, self.model, self.device = tmp_path, model, device
+        self.port, self.shm, self.run = free_port(), tmp_path / "shm", tmp_path / "run"
+        self.first = self._start()
+        self.second: DaemonProcess | None = None
+
+    def _start(self) -> DaemonProcess:
+        return start_daemon(
+            self.tmp_path,
+            [self.model],
+            "--model-id",
+            "tiny",
+            port=self.port,
+            shm_dir=self.shm,
+            device=self.device,
+            run_dir=self.run,
+            keeper="auto",
+        )
+
+    def restart(self) -> DaemonProcess:
+        self.second = self._start()
+        return self.second
+
+    def keeper(self) -> Any:
+        """The keeper's status (:func:`keeper_status`)."""
+        return keeper_status(self.run)
+
+    def __enter__(self) -> KeptDaemons:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.first.stop(signal.SIGKILL)
+        if self.second is not None:
+            self.second.stop()
+        stop_keeper(self.run)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import TracebackType
 
-from tests.waiting import wait_for
+from harness.waiting import wait_for
 
 SLACK_BYTES = 50 * 1024 * 1024
 

@@ -1,12 +1,18 @@
-"""How an operator gives one daemon setting: its flag, its environment variables, how its
-default reads. :func:`setting` declares a field of :class:`service.settings.DaemonSettings`
-together with these, so that the model is the one place a setting is defined; the command's
-options (``weight_cache_cli/settings_options.py``), the environment rules (``service/env.py``)
-and the README's table (``weight_cache_cli/settings_table.py``) are made from it.
+"""How an operator gives one setting: its flag, its environment variables, how its default
+reads. :func:`setting` declares a field of a settings model together with these, so that the
+model is the one place a setting is defined: the daemon's
+(:class:`service.settings.DaemonSettings`), a client's
+(:class:`protocol.client_settings.ClientSettings`: the engine's loader, the client commands, the
+benchmarks), the command's logging (:class:`service.logs.LogSettings`) and the benchmarks'
+(:class:`protocol.client_settings.BenchSettings`). The commands' options
+(``weight_cache_cli/settings_options.py``), the environment rules (``service/env.py``) and the
+README's table (``weight_cache_cli/settings_table.py``) are made from them. It lives in
+``protocol`` so that the daemon and the engine side declare their settings one way.
 
 How to add a setting (nothing else to edit: no list of names, no click option):
 
-1. Add a field to :class:`DaemonSettings`, in the place its option should take in ``--help``::
+1. Add a field to its model (:class:`DaemonSettings` for the daemon's), in the place its option
+   should take in ``--help``::
 
        my_limit: int = setting(8, flag="--my-limit", help="What it does, in a phrase", ge=1)
 
@@ -16,8 +22,9 @@ How to add a setting (nothing else to edit: no list of names, no click option):
    renamed variable (without the prefix); ``shown="..."`` words a default that reads better
    than its value (``cores - 1``); ``variable="NAME"`` instead of ``flag`` declares one set in
    the environment only; ``checked_by_cli=True`` lets the command refuse a bad value as it
-   parses it (a number out of range, a file that does not exist). A ``bool`` field becomes
-   ``--my-flag/--no-my-flag``, a ``list`` field a repeatable option.
+   parses it (a number out of range, a file that does not exist); ``client_help="..."`` says what
+   a client does with a daemon's setting it reads too (``--uds``: where it connects). A ``bool``
+   field becomes ``--my-flag/--no-my-flag``, a ``list`` field a repeatable option.
 2. Run ``make settings-table`` to rewrite the README's table (``tests/service/test_settings.py``
    fails while it is stale).
 """
@@ -52,6 +59,12 @@ class Setting:
     help: str
     shown_default: str | None  # how --help and the README word the default; None: none shown
     checked_by_cli: bool  # the command checks the value as it parses it (a range, a file)
+    client_help: str | None = None  # what a client does with it, where that reads otherwise
+
+    @property
+    def variable(self) -> str:
+        """The variable it is set with (older spellings aside)."""
+        return self.variables[0]
 
     def __call__(self, schema: JsonDict) -> None:
         schema["flags"] = list(self.flags)
@@ -72,6 +85,7 @@ def setting(
     help: str,
     shown: str | None = None,
     checked_by_cli: bool = False,
+    client_help: str | None = None,
     **field: Any,
 ) -> Any:
     """A settings field: ``flag`` (and the ``also`` spellings of it) on the command line, the
@@ -91,6 +105,7 @@ def setting(
         help=help,
         shown_default=shown,
         checked_by_cli=checked_by_cli,
+        client_help=client_help,
     )
     return Field(
         default,
@@ -105,5 +120,5 @@ def setting_of(field: FieldInfo) -> Setting:
     """The names :func:`setting` gave a field."""
     described = field.json_schema_extra
     if not isinstance(described, Setting):
-        raise TypeError("every settings field is declared with service.setting.setting()")
+        raise TypeError("every settings field is declared with protocol.setting.setting()")
     return described
