@@ -23,9 +23,10 @@ class Variable:
     help: str
 
 
-# Read by the ``weight-cache`` command itself (its --log-* options take them as their envvar),
-# by every client command and the engine loader (URL; the clients also read the daemon's HOST,
-# PORT, UDS, TOKEN and TOKEN_FILE), and by the benchmarks (BENCH_DIR).
+# Read by the ``weight-cache`` command itself (its --log-* options and keeper's --idle-timeout
+# take them as their envvar), by every client command and the engine loader (URL; the clients
+# also read the daemon's HOST, PORT, UDS, TOKEN and TOKEN_FILE), and by the benchmarks
+# (BENCH_DIR).
 LOG_LEVEL = Variable(
     f"{ENV_PREFIX}LOG_LEVEL",
     "--log-level",
@@ -38,9 +39,17 @@ LOG_FORMAT = Variable(
     "text",
     "text, or json (one object per line)",
 )
+KEEPER_IDLE_TIMEOUT = Variable(
+    f"{ENV_PREFIX}KEEPER_IDLE_TIMEOUT",
+    "--idle-timeout",
+    "600",
+    "Seconds a keeper (`weight-cache keeper`, or the one serve --keeper auto starts) waits "
+    "without a daemon before it lets go of everything and exits (0: never)",
+)
 OTHER_VARIABLES = (
     LOG_LEVEL,
     LOG_FORMAT,
+    KEEPER_IDLE_TIMEOUT,
     Variable(
         f"{ENV_PREFIX}URL",
         "--url",

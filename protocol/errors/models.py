@@ -122,8 +122,9 @@ class KeeperUnavailableError(WeightCacheError):
     status = 503
     title = "No keeper for this daemon"
     hint = (
-        "start `weight-cache keeper` on the same --run-dir (or use --keeper auto), and stop any "
-        "other daemon using that keeper"
+        "a keeper serves one daemon: stop the daemon that holds it, or give this one a "
+        "--run-dir of its own (WEIGHT_CACHE_RUN_DIR); with --keeper external, start "
+        "`weight-cache keeper` on the same --run-dir first"
     )
 
 
