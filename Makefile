@@ -8,14 +8,16 @@ PIP := $(PY) -m pip
 # `make run` installs what serving needs (the daemon extra); `make test` adds the test extras.
 DAEMON_STAMP := $(VENV)/.installed-daemon
 STAMP := $(VENV)/.installed
-# vLLM 0.33 (about 10 GB) lives outside the clone and is reused across runs and clones.
-VLLM_VENV ?= $(HOME)/.cache/weight-cache/vllm-0.33.0
+# vLLM 0.33 (about 10 GB) lives outside the clone and is reused across runs and clones; its
+# version is the one constraints.txt pins (the images' base too).
+VLLM_PIN := $(shell sed -n 's/^vllm==//p' constraints.txt)
+VLLM_VENV ?= $(HOME)/.cache/weight-cache/vllm-$(VLLM_PIN)
 # kubernetes-validate and checkov (the Kubernetes manifests' checks) in an environment of their
 # own inside the clone: checkov's pins would fight the project's and vLLM's.
 DEPLOY_VENV ?= .venv-deploy
 DEPLOY_STAMP := $(DEPLOY_VENV)/.installed
 
-.PHONY: help run test test-vllm lint format openapi settings-table bench clean deploy-tools
+.PHONY: help run test test-vllm lint format openapi settings-table bench clean deploy-tools images
 
 help:
 	@echo "make run     create .venv, install the daemon, start it on the built-in demo model"
@@ -82,7 +84,7 @@ VLLM_PYTHON ?= $(shell for p in $(PYTHON) python3.11 python3.12 python3.13 pytho
 $(VLLM_VENV)/bin/python:
 	@test -n "$(VLLM_PYTHON)" || { echo "vLLM 0.33 needs Python 3.11 to 3.14 (VLLM_PYTHON)"; exit 1; }
 	$(VLLM_PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q "vllm==0.33.0"
+	$(VLLM_VENV)/bin/pip install -q "vllm==$(VLLM_PIN)"
 
 $(VLLM_VENV)/.weight-cache-deps: $(VLLM_VENV)/bin/python pyproject.toml constraints.txt
 	$(VLLM_VENV)/bin/pip install -q -c constraints.txt -e ".[test]"
@@ -108,6 +110,11 @@ settings-table: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.processing
+
+# Both images, built and smoke-tested where a Docker daemon answers (says so and builds none
+# where none does).
+images:
+	$(PYTHON) docker/images.py
 
 clean:
 	rm -rf $(VENV) $(DEPLOY_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
