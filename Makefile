@@ -17,7 +17,7 @@ VLLM_VENV ?= $(HOME)/.cache/weight-cache/vllm-$(VLLM_PIN)
 DEPLOY_VENV ?= .venv-deploy
 DEPLOY_STAMP := $(DEPLOY_VENV)/.installed
 
-.PHONY: help run test test-vllm lint format openapi settings-table bench clean deploy-tools images
+.PHONY: help run test test-vllm lint format openapi settings-table bench clean deploy-tools images dist
 
 help:
 	@echo "make run     create .venv, install the daemon, start it on the built-in demo model"
@@ -25,8 +25,10 @@ help:
 	@echo "             (vLLM tests run in $(VLLM_VENV), created on first use)"
 	@echo "make lint    ruff and mypy only"
 	@echo "make openapi regenerate openapi.json from the app"
-	@echo "make settings-table  rewrite README.md's settings table from service/settings.py"
+	@echo "make settings-table  rewrite docs/operating.md's settings table from service/settings.py"
 	@echo "make bench   run the benchmarks in bench/"
+	@echo "make dist    build the wheel into dist/ (pip install dist/*.whl[daemon])"
+	@echo "make images  build and smoke-test both Docker images (where a Docker daemon runs)"
 
 $(PY):
 	@# Reuse an interpreter's own torch (a CUDA build, say) when it has one.
@@ -106,10 +108,18 @@ openapi: $(STAMP)
 	$(VENV)/bin/weight-cache openapi > openapi.json
 
 settings-table: $(STAMP)
-	$(PY) -m weight_cache_cli.settings_table README.md
+	$(PY) -m weight_cache_cli.settings_table docs/operating.md
 
 bench: $(STAMP)
 	$(PY) -m bench.processing
+
+# The package as a wheel (and its source) in dist/, to install where the checkout is not:
+# pip install "dist/weight_cache-VERSION-py3-none-any.whl[daemon]" (the engine side: no extra,
+# inside vLLM's environment; [cuda] on a GPU).
+dist: $(DAEMON_STAMP)
+	rm -rf dist build
+	$(PIP) wheel -q --no-deps --no-build-isolation -w dist .
+	@ls dist
 
 # Both images, built and smoke-tested where a Docker daemon answers (says so and builds none
 # where none does).

@@ -109,8 +109,8 @@ class CudaDriverError(WeightCacheError):
     status = 500
     title = "A CUDA driver call failed"
     hint = (
-        "check the GPU driver and that cuda-bindings is installed (pip install "
-        "'weight-cache[cuda]'), or start the daemon with --cuda-handles ipc"
+        "check the GPU driver and that cuda-bindings is installed (the package's cuda extra: "
+        "pip install 'cuda-bindings>=13.0,<14'), or start the daemon with --cuda-handles ipc"
     )
 
 

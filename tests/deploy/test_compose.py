@@ -128,7 +128,7 @@ def test_daemon_readiness_gates_the_engine(compose: dict[str, Any]) -> None:
 
 def test_build_context_and_git_leave_out_local_files() -> None:
     """The build context holds only what the Dockerfiles copy (no .venv, no operator secrets);
-    git ignores the files the README tells an operator to create."""
+    git ignores the files the operator's guide tells an operator to create."""
     root = DOCKER.parent
     rules = [
         line
@@ -144,7 +144,7 @@ def test_build_context_and_git_leave_out_local_files() -> None:
     assert not included & {".venv", "docker", ".git", "tests"}
     ignored = (root / ".gitignore").read_text().splitlines()
     assert {"docker/.env", "docker/weight_cache_token"} <= set(ignored)
-    readme = (root / "README.md").read_text()
+    readme = (root / "docs" / "operating.md").read_text()  # the operator's guide
     assert (
         "cp docker/.env.example docker/.env" in readme and "> docker/weight_cache_token" in readme
     )
