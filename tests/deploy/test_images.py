@@ -34,7 +34,8 @@ def images_script() -> ModuleType:
 
 
 def vllm_pin() -> str:
-    (pin,) = re.findall(r"^vllm==(\S+)$", (ROOT / "constraints.txt").read_text(), re.M)
+    pins: list[str] = re.findall(r"^vllm==(\S+)$", (ROOT / "constraints.txt").read_text(), re.M)
+    (pin,) = pins
     return pin
 
 
