@@ -15,7 +15,8 @@ from service.settings import DaemonSettings
 
 @dataclass(frozen=True)
 class Variable:
-    """A variable read outside the daemon's settings, as the README's table lists it."""
+    """A variable read outside the daemon's settings, as the settings table of docs/operating.md
+    lists it."""
 
     name: str
     flag: str  # the option it stands for, if any

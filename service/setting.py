@@ -2,7 +2,8 @@
 default reads. :func:`setting` declares a field of :class:`service.settings.DaemonSettings`
 together with these, so that the model is the one place a setting is defined; the command's
 options (``weight_cache_cli/settings_options.py``), the environment rules (``service/env.py``)
-and the README's table (``weight_cache_cli/settings_table.py``) are made from it.
+and the settings table of docs/operating.md (``weight_cache_cli/settings_table.py``) are made
+from it.
 
 How to add a setting (nothing else to edit: no list of names, no click option):
 
@@ -18,8 +19,8 @@ How to add a setting (nothing else to edit: no list of names, no click option):
    the environment only; ``checked_by_cli=True`` lets the command refuse a bad value as it
    parses it (a number out of range, a file that does not exist). A ``bool`` field becomes
    ``--my-flag/--no-my-flag``, a ``list`` field a repeatable option.
-2. Run ``make settings-table`` to rewrite the README's table (``tests/service/test_settings.py``
-   fails while it is stale).
+2. Run ``make settings-table`` to rewrite the settings table of docs/operating.md
+   (``tests/service/test_settings.py`` fails while it is stale).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class Setting:
     flags: tuple[str, ...]  # the first is its name; empty: set in the environment only
     variables: tuple[str, ...]  # preferred first; the others are older spellings, still read
     help: str
-    shown_default: str | None  # how --help and the README word the default; None: none shown
+    shown_default: str | None  # how --help and the settings table word it; None: none shown
     checked_by_cli: bool  # the command checks the value as it parses it (a range, a file)
 
     def __call__(self, schema: JsonDict) -> None:

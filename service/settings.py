@@ -4,7 +4,8 @@ overridden by ``weight-cache serve``'s flags.
 Each field of :class:`DaemonSettings` is declared with :func:`service.setting.setting`, which
 carries its flag, its environment variable (named after the flag; older spellings still read),
 its help and its default. The command's options, the known-variable rules that refuse a typo
-and the README's settings table are all made from these fields; nothing else lists a setting.
+and the operator's guide's settings table (docs/operating.md) are all made from these fields;
+nothing else lists a setting.
 
 How to add one: :mod:`service.setting`.
 
