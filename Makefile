@@ -8,14 +8,16 @@ PIP := $(PY) -m pip
 # `make run` installs what serving needs (the daemon extra); `make test` adds the test extras.
 DAEMON_STAMP := $(VENV)/.installed-daemon
 STAMP := $(VENV)/.installed
-# vLLM 0.33 (about 10 GB) lives outside the clone and is reused across runs and clones.
-VLLM_VENV ?= $(HOME)/.cache/weight-cache/vllm-0.33.0
+# vLLM 0.33 (about 10 GB) lives outside the clone and is reused across runs and clones; its
+# version is the one constraints.txt pins (the images' base too).
+VLLM_PIN := $(shell sed -n 's/^vllm==//p' constraints.txt)
+VLLM_VENV ?= $(HOME)/.cache/weight-cache/vllm-$(VLLM_PIN)
 # kubernetes-validate and checkov (the Kubernetes manifests' checks) in an environment of their
 # own inside the clone: checkov's pins would fight the project's and vLLM's.
 DEPLOY_VENV ?= .venv-deploy
 DEPLOY_STAMP := $(DEPLOY_VENV)/.installed
 
-.PHONY: help run test test-vllm lint format openapi settings-table bench clean deploy-tools
+.PHONY: help run test test-vllm lint format openapi settings-table bench clean deploy-tools images dist
 
 help:
 	@echo "make run     create .venv, install the daemon, start it on the built-in demo model"
@@ -23,8 +25,10 @@ help:
 	@echo "             (vLLM tests run in $(VLLM_VENV), created on first use)"
 	@echo "make lint    ruff and mypy only"
 	@echo "make openapi regenerate openapi.json from the app"
-	@echo "make settings-table  rewrite README.md's settings table from service/settings.py"
+	@echo "make settings-table  rewrite docs/operating.md's settings table from service/settings.py"
 	@echo "make bench   run the benchmarks in bench/"
+	@echo "make dist    build the wheel into dist/ (pip install dist/*.whl[daemon])"
+	@echo "make images  build and smoke-test both Docker images (where a Docker daemon runs)"
 
 $(PY):
 	@# Reuse an interpreter's own torch (a CUDA build, say) when it has one.
@@ -82,7 +86,7 @@ VLLM_PYTHON ?= $(shell for p in $(PYTHON) python3.11 python3.12 python3.13 pytho
 $(VLLM_VENV)/bin/python:
 	@test -n "$(VLLM_PYTHON)" || { echo "vLLM 0.33 needs Python 3.11 to 3.14 (VLLM_PYTHON)"; exit 1; }
 	$(VLLM_PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q "vllm==0.33.0"
+	$(VLLM_VENV)/bin/pip install -q "vllm==$(VLLM_PIN)"
 
 $(VLLM_VENV)/.weight-cache-deps: $(VLLM_VENV)/bin/python pyproject.toml constraints.txt
 	$(VLLM_VENV)/bin/pip install -q -c constraints.txt -e ".[test]"
@@ -104,10 +108,23 @@ openapi: $(STAMP)
 	$(VENV)/bin/weight-cache openapi > openapi.json
 
 settings-table: $(STAMP)
-	$(PY) -m weight_cache_cli.settings_table README.md
+	$(PY) -m weight_cache_cli.settings_table docs/operating.md
 
 bench: $(STAMP)
 	$(PY) -m bench.processing
+
+# The package as a wheel (and its source) in dist/, to install where the checkout is not:
+# pip install "dist/weight_cache-VERSION-py3-none-any.whl[daemon]" (the engine side: no extra,
+# inside vLLM's environment; [cuda] on a GPU).
+dist: $(DAEMON_STAMP)
+	rm -rf dist build
+	$(PIP) wheel -q --no-deps --no-build-isolation -w dist .
+	@ls dist
+
+# Both images, built and smoke-tested where a Docker daemon answers (says so and builds none
+# where none does).
+images:
+	$(PYTHON) docker/images.py
 
 clean:
 	rm -rf $(VENV) $(DEPLOY_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

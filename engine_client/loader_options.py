@@ -34,7 +34,8 @@ class LoaderOptions(BaseModel):
     )
     identity: Literal["files", "sampled", "hf_blob", "full"] = Field(
         default="sampled",
-        description="how the engine's checkpoint must match the daemon's (README: identity tiers)",
+        description="how the engine's checkpoint must match the daemon's (docs/engines.md: "
+        "identity tiers)",
     )
     park: bool | Literal["if_serving"] = Field(
         default=False,

@@ -205,33 +205,16 @@ class InProcessDaemon:
 
 def keeper_status(run_dir: Path) -> Any:
     """The keeper's ``StatusReply`` on ``run_dir``, or None when none answers."""
-    from protocol.fd_passing import receive_message, send_message
-    from service.keeper.messages import Envelope, Status
-    from service.run_dir import KEEPER_SOCKET
+    from service.keeper.control import keeper_status as ask
 
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(10)
-        try:
-            sock.connect(str(run_dir / KEEPER_SOCKET))
-        except OSError:
-            return None
-        try:
-            send_message(sock, Envelope(message=Status()))
-            got = receive_message(sock, Envelope, 1 << 20)
-        except ConnectionError:  # a keeper stopping closes the connections it had not taken
-            return None
-    return None if got is None else got[0].message
+    return ask(run_dir)
 
 
 def stop_keeper(run_dir: Path) -> None:
     """SIGTERM the keeper on ``run_dir`` (it lets go of everything) and wait until it is gone."""
-    from harness.waiting import wait_for
+    from service.keeper.control import stop_keeper as stop
 
-    status = keeper_status(run_dir)
-    if status is None:
-        return
-    os.kill(status.pid, signal.SIGTERM)
-    wait_for(lambda: keeper_status(run_dir) is None, timeout=30)
+    stop(run_dir)
 
 
 class ComputingEngine:

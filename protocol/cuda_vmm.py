@@ -41,7 +41,8 @@ def _driver() -> Any:
             from cuda.bindings import driver
         except ImportError as exc:
             raise CudaDriverError(
-                "cuda-bindings is not installed: pip install 'weight-cache[cuda]'",
+                "cuda-bindings is not installed (the package's cuda extra): pip install "
+                "'cuda-bindings>=13.0,<14'",
                 call="import",
             ) from exc
         _checked(driver, "cuInit", 0)

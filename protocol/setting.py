@@ -6,8 +6,9 @@ model is the one place a setting is defined: the daemon's
 benchmarks), the command's logging (:class:`service.logs.LogSettings`) and the benchmarks'
 (:class:`protocol.client_settings.BenchSettings`). The commands' options
 (``weight_cache_cli/settings_options.py``), the environment rules (``service/env.py``) and the
-README's table (``weight_cache_cli/settings_table.py``) are made from them. It lives in
-``protocol`` so that the daemon and the engine side declare their settings one way.
+settings table of docs/operating.md (``weight_cache_cli/settings_table.py``) are made from
+them. It lives in ``protocol`` so that the daemon and the engine side declare their settings
+one way.
 
 How to add a setting (nothing else to edit: no list of names, no click option):
 
@@ -25,8 +26,8 @@ How to add a setting (nothing else to edit: no list of names, no click option):
    parses it (a number out of range, a file that does not exist); ``client_help="..."`` says what
    a client does with a daemon's setting it reads too (``--uds``: where it connects). A ``bool``
    field becomes ``--my-flag/--no-my-flag``, a ``list`` field a repeatable option.
-2. Run ``make settings-table`` to rewrite the README's table (``tests/service/test_settings.py``
-   fails while it is stale).
+2. Run ``make settings-table`` to rewrite the settings table of docs/operating.md
+   (``tests/service/test_settings.py`` fails while it is stale).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class Setting:
     flags: tuple[str, ...]  # the first is its name; empty: set in the environment only
     variables: tuple[str, ...]  # preferred first; the others are older spellings, still read
     help: str
-    shown_default: str | None  # how --help and the README word the default; None: none shown
+    shown_default: str | None  # how --help and the settings table word it; None: none shown
     checked_by_cli: bool  # the command checks the value as it parses it (a range, a file)
     client_help: str | None = None  # what a client does with it, where that reads otherwise
 

@@ -61,7 +61,10 @@ class Daemon:
         self.boot_id = secrets.token_hex(8)
         self.started = time.monotonic()
         self.lock = threading.RLock()
-        self.metrics = Metrics(self.metrics_snapshot)
+        self.metrics = Metrics(
+            self.metrics_snapshot,
+            {"version": __version__, "protocol_version": str(PROTOCOL_VERSION)},
+        )
         self.models = ModelTable(settings, self.lock, on_loaded=self.metrics.load_seconds.observe)
         self.leases = LeaseTable(self.boot_id, self.lock, on_end=self._lease_ended)
         self.limits = LeaseLimits(settings)
@@ -115,6 +118,7 @@ class Daemon:
             log.warning("no shared-memory directory %s: CPU arenas cannot be made", root)
         use_plain_cuda_allocations()
         self.custody.start(self.arena_dir)  # adopts what a keeper held, before the sweep
+        self.metrics.leases_granted.labels(via="keeper").inc(self.custody.leases_taken_over)
         if self.arena_dir is not None:
             stale = remove_stale_files(root) + self.arena_dir.remove_stale()  # earlier layout too
             for path in stale:
@@ -233,7 +237,7 @@ class Daemon:
             self.custody.lease_granted(lease)
             info = lease.info(self.boot_id)
         self.exit_watch.poke()  # watch its holder from now on
-        self.metrics.leases_granted.inc()
+        self.metrics.leases_granted.labels(via="request").inc()
         arena = ArenaDescriptor(index=0, nbytes=rank.arena.nbytes, handle=handle)
         return Grant(info, rank, [arena], req.known_layout != rank.manifest.layout_digest)
 
@@ -372,7 +376,7 @@ class Daemon:
             boot_id=self.boot_id,
             version=__version__,
             protocol_version=PROTOCOL_VERSION,
-            uptime_s=time.monotonic() - self.started,
+            uptime_s=round(time.monotonic() - self.started, 3),
         )
 
     def readiness(self) -> Readiness:
@@ -395,4 +399,5 @@ class Daemon:
             memory_budget=self.settings.memory_budget_bytes,
             models=models,
             active_leases=sum(m.active_leases for m in models),
+            keeper=self.custody.keeper_info(),
         )

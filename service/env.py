@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings
 
 from protocol.client_settings import BenchSettings, ClientSettings
 from protocol.setting import ENV_PREFIX, Setting, setting_of
+from service.keeper.settings import KeeperSettings
 from service.logs import LogSettings
 from service.settings import DaemonSettings
 
@@ -20,6 +21,7 @@ from service.settings import DaemonSettings
 SETTINGS_MODELS: tuple[type[BaseSettings], ...] = (
     DaemonSettings,
     LogSettings,
+    KeeperSettings,
     ClientSettings,
     BenchSettings,
 )

@@ -3,14 +3,20 @@
 Counters and histograms are updated where things happen; gauges of state (models, bytes,
 active leases) are read at scrape time from a :class:`StateSnapshot` the daemon hands over, so
 they can never drift from it (and this module needs nothing of the daemon).
+
+Names follow Prometheus's conventions: the unit last (``_bytes``, ``_seconds``; ``_duration``
+for a time taken), ``_total`` on counters, no ``_created`` series (a restarted daemon's counters
+start at 0, which ``rate()`` already handles), and ``weight_cache_build_info`` at 1 with the
+versions as labels.
 """
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -33,7 +39,7 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         models = GaugeMetricFamily("weight_cache_models", "Models by state", labels=["state"])
         resident = GaugeMetricFamily(
-            "weight_cache_bytes_resident", "Arena bytes held, by model", labels=["model"]
+            "weight_cache_resident_bytes", "Arena bytes held, by model", labels=["model"]
         )
         leases = GaugeMetricFamily("weight_cache_leases_active", "Active leases")
         parked = GaugeMetricFamily(
@@ -59,10 +65,18 @@ class _StateCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, snapshot: Callable[[], StateSnapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], StateSnapshot], versions: dict[str, str]) -> None:
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide
         self.registry = CollectorRegistry()
         r = self.registry
-        self.leases_granted = Counter("weight_cache_leases_granted", "Leases granted", registry=r)
+        Info("weight_cache_build", "Versions of this daemon", registry=r).info(
+            {**versions, "python": platform.python_version()}
+        )
+        # via: request (granted by this daemon) or keeper (taken over from the keeper at
+        # start), so that granted less ended is what is active.
+        self.leases_granted = Counter(
+            "weight_cache_leases_granted", "Leases granted, by how", ["via"], registry=r
+        )
         self.leases_released = Counter(
             "weight_cache_leases_released", "Leases released", registry=r
         )
@@ -78,13 +92,13 @@ class Metrics:
             "weight_cache_refusals", "Requests refused, by error code", ["code"], registry=r
         )
         self.lease_seconds = Histogram(
-            "weight_cache_lease_seconds",
+            "weight_cache_lease_grant_duration_seconds",
             "Time to grant a lease, manifest included",
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
             registry=r,
         )
         self.load_seconds = Histogram(
-            "weight_cache_load_seconds",
+            "weight_cache_load_duration_seconds",
             "Time to load and process a model",
             buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
             registry=r,

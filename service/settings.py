@@ -4,7 +4,8 @@ overridden by ``weight-cache serve``'s flags.
 Each field of :class:`DaemonSettings` is declared with :func:`protocol.setting.setting`, which
 carries its flag, its environment variable (named after the flag; older spellings still read),
 its help and its default. The command's options, the known-variable rules that refuse a typo
-and the README's settings table are all made from these fields; nothing else lists a setting.
+and the operator's guide's settings table (docs/operating.md) are all made from these fields;
+nothing else lists a setting.
 
 How to add one: :mod:`protocol.setting`. Where the daemon listens and its token are declared in
 :mod:`protocol.client_settings`, whose clients read them too.
@@ -46,9 +47,12 @@ _BYTE_SIZE = TypeAdapter(ByteSize)
 
 
 def _split_paths(value: Any) -> Any:
-    """``a:b`` (as in PATH) from the environment; lists from flags and code pass through."""
+    """``a:b`` (as in PATH) from the environment, lists from flags and code; empty entries
+    name nothing (``--model ''`` is no model, never the current directory)."""
     if isinstance(value, str):
-        return [p for p in value.split(os.pathsep) if p]
+        value = value.split(os.pathsep)
+    if isinstance(value, (list, tuple)):
+        return [p for p in value if str(p) != ""]
     return value
 
 
@@ -57,11 +61,13 @@ class DaemonSettings(BaseSettings):
         env_prefix=ENV_PREFIX, extra="forbid", env_ignore_empty=True, populate_by_name=True
     )
 
-    models: Annotated[list[Path], NoDecode] = setting(
+    # None: no --model given, and the daemon serves its demo model; [] (`--model ''`, or
+    # WEIGHT_CACHE_MODEL set and empty): no model at start.
+    models: Annotated[list[Path] | None, NoDecode] = setting(
+        None,
         flag="--model",
-        default_factory=list,
         help="Checkpoint directory, or a Hugging Face repo id already in the local HF cache "
-        "(HF_HOME / HF_HUB_CACHE), to load at start",
+        "(HF_HOME / HF_HUB_CACHE), to load at start; empty: none",
         shown="the built-in demo model",
     )
     model_id: str | None = setting(
@@ -282,6 +288,11 @@ class DaemonSettings(BaseSettings):
         if isinstance(token, SecretStr):
             token = token.get_secret_value()
         value, file = choose_token(token, values.pop("token_file", None))
+        if "models" not in values and any(
+            os.environ.get(name) == ""
+            for name in setting_of(type(self).model_fields["models"]).variables
+        ):
+            values["models"] = []  # set and empty: no model (other empty variables are unset)
         super().__init__(**values, token=value, token_file=file)
 
     @field_validator("models", "allowed_roots", mode="before")
@@ -337,7 +348,7 @@ class DaemonSettings(BaseSettings):
 
         pairs = [
             (path, self.model_id if i == 0 and self.model_id else default_model_id(path))
-            for i, path in enumerate(self.models)
+            for i, path in enumerate(self.models or [])
         ]
         ids = [model_id for _, model_id in pairs]
         if len(set(ids)) != len(ids):

@@ -44,7 +44,7 @@ def cli(log_level: str, log_format: str) -> None:
     With vLLM: vllm serve CKPT --load-format weight_cache \\
         --model-loader-extra-config '{"url": "http://127.0.0.1:8470"}'
     Settings (`serve --help` lists every WEIGHT_CACHE_* variable), error codes, metrics and
-    deployment: README.md.
+    deployment: docs/operating.md.
     """
     configure_logging(log_level, log_format.lower())
     try:

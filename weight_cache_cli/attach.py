@@ -59,9 +59,21 @@ def _pick_model(client: DaemonClient) -> str:
 @click.command("attach")
 @daemon_options
 @click.option("--model", "model_id", help="Model id (default: the only ready model).")
-@click.option("--tp-rank", type=int, default=0, show_default=True)
 @click.option(
-    "--tensor-parallel-size", "--tp-size", "tp_size", type=int, default=1, show_default=True
+    "--tp-rank",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="The tensor-parallel rank to lease, as an engine's worker of that rank would.",
+)
+@click.option(
+    "--tensor-parallel-size",
+    "--tp-size",
+    "tp_size",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="The TP size the model was loaded with (the daemon's --tensor-parallel-size).",
 )
 @click.option(
     "--device", default="auto", show_default=True, help="auto (cuda:0 when present), cpu or cuda:N."

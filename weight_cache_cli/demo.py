@@ -13,9 +13,29 @@ SHAPES = ("tiny", "qwen2.5-0.5b", "llama-8b")
 
 @click.command("demo-checkpoint")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--scheme", type=click.Choice(SCHEMES), default="fp8", show_default=True)
-@click.option("--shape", type=click.Choice(SHAPES), default="tiny", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--scheme",
+    type=click.Choice(SCHEMES),
+    default="fp8",
+    show_default=True,
+    help="ModelOpt's quant_algo: fp8 is FP8 (per-tensor scales), fp8-pc-pt is "
+    "FP8_PER_CHANNEL_PER_TOKEN.",
+)
+@click.option(
+    "--shape",
+    type=click.Choice(SHAPES),
+    default="tiny",
+    show_default=True,
+    help="The model's dimensions: tiny (the demo model, 128 KiB), qwen2.5-0.5b's or "
+    "Llama-3.1-8B's (9.1 GB).",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Seed of the random weights: another seed is another checkpoint of the same shape.",
+)
 @click.option(
     "--shard-size-mb",
     type=click.IntRange(min=1),

@@ -3,8 +3,9 @@
 A taken address, a socket file that is not a socket or that another daemon serves on, is one line
 and an exit status. The Unix socket is the daemon's own (:mod:`service.api.unix_socket`: 0600,
 or 0660 for ``--socket-group``) and is removed at shutdown: uvicorn re-raises the signal that
-stopped it once it has shut down, which would end the process before that, so the signal is held
-back meanwhile (:func:`stopping_signal_deferred`).
+stopped it once it has shut down, which would end the process before that, so the signal is
+caught instead (:func:`stopping_signal_deferred`) and the daemon ends as a stop asked for ends:
+status 0, saying what stays.
 """
 
 from __future__ import annotations
@@ -94,11 +95,12 @@ def _bind_unix(path: Path, group: str | None) -> PrivateSocket:
 
 @contextlib.contextmanager
 def stopping_signal_deferred() -> Iterator[list[int]]:
-    """uvicorn re-raises the signal that stopped it once it has shut down, which would end
-    the process before the socket file is removed: the signal is caught meanwhile and raised
-    again after the cleanup, so the exit status still says which signal it was. The signals
-    caught are yielded: one that came before uvicorn took over (during imports, or while the
-    daemon was built) means the daemon is not to serve at all."""
+    """SIGINT and SIGTERM ask the daemon to stop: uvicorn shuts down on them and then raises
+    the signal again, which would end the process before the socket file is removed (and
+    Ctrl-C would print a traceback or "Aborted!" and exit 1). The signals are caught here
+    instead and yielded: the daemon stops cleanly and exits 0. One that came before uvicorn
+    took over (during imports, or while the daemon was built) means the daemon is not to
+    serve at all."""
     caught: list[int] = []
     stopping = (signal.SIGINT, signal.SIGTERM)
     previous = {sig: signal.signal(sig, lambda sig, _: caught.append(sig)) for sig in stopping}
@@ -107,5 +109,3 @@ def stopping_signal_deferred() -> Iterator[list[int]]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if caught:
-        signal.raise_signal(caught[0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
     from protocol.schemas.startup_slots import SlotTicket
 
 R = TypeVar("R")
+Where = tuple[str | None, str | None, str | None]
 
 
 def _with_client(
@@ -51,18 +53,20 @@ def _ago(unix_s: float | None) -> str:
 
 
 def print_parked(engines: list[ParkedEngine], tickets: list[SlotTicket]) -> None:
-    """Parked engines and start-up slot tickets as tables (nothing when there are none)."""
+    """Parked engines and start-up slot tickets as tables (nothing when there are none). The
+    ids, which `parking release` and `cancel` take, follow each table whole, one a line: in a
+    column they would squeeze the others out of an 80-column terminal, or be cut."""
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
     if engines:
         table = Table(
-            "id", "model", "rank", "pid", "state", "parked", "cause", title="Parked engines"
+            "#", "model", "rank", "pid", "state", "parked", "cause", title="Parked engines"
         )
-        for e in engines:
+        for n, e in enumerate(engines, 1):
             table.add_row(
-                e.id,
+                str(n),
                 e.model,
                 f"{e.tp_rank}/{e.tp_size}",
                 str(e.client_pid),
@@ -71,13 +75,15 @@ def print_parked(engines: list[ParkedEngine], tickets: list[SlotTicket]) -> None
                 e.cause.value if e.cause else "-",
             )
         console.print(table)
+        for n, e in enumerate(engines, 1):
+            console.print(f"#{n} id {e.id}", soft_wrap=True, markup=False, highlight=False)
     if tickets:
         table = Table(
-            "id", "device", "rank", "pid", "state", "ahead", "asked", title="Start-up slots"
+            "#", "device", "rank", "pid", "state", "ahead", "asked", title="Start-up slots"
         )
-        for t in tickets:
+        for n, t in enumerate(tickets, 1):
             table.add_row(
-                t.id,
+                str(n),
                 t.device,
                 f"{t.tp_rank}/{t.tp_size}",
                 str(t.client_pid),
@@ -86,13 +92,39 @@ def print_parked(engines: list[ParkedEngine], tickets: list[SlotTicket]) -> None
                 _ago(t.asked_at),
             )
         console.print(table)
+        for n, t in enumerate(tickets, 1):
+            console.print(f"#{n} id {t.id}", soft_wrap=True, markup=False, highlight=False)
+
+
+def _json_option(command: Callable[..., R]) -> Callable[..., R]:
+    return click.option(
+        "--json", "as_json", is_flag=True, help="Print one JSON object: parked, startup_slots."
+    )(command)
+
+
+def show(engines: list[ParkedEngine], tickets: list[SlotTicket], as_json: bool) -> None:
+    """Parked engines and start-up slot tickets as tables, or as one JSON object."""
+    if as_json:
+        report = {
+            "parked": [e.model_dump(mode="json") for e in engines],
+            "startup_slots": [t.model_dump(mode="json") for t in tickets],
+        }
+        click.echo(json.dumps(report))
+        return
+    if not engines and not tickets:
+        click.echo("no parked engines, no start-up slots held or waited for")
+    print_parked(engines, tickets)
 
 
 @click.group("parking", invoke_without_command=True)
 @daemon_options
+@_json_option
 @click.pass_context
-def parking(ctx: click.Context, url: str | None, uds: str | None, token_file: str | None) -> None:
-    """Parked engines and start-up slots: list them (the default), release or cancel one.
+def parking(
+    ctx: click.Context, url: str | None, uds: str | None, token_file: str | None, as_json: bool
+) -> None:
+    """Parked engines and start-up slots: list them (the default, or `list`), release or
+    cancel one.
 
     \b
     An engine parks with the loader option {"park": true}: it starts, then waits at its load
@@ -100,23 +132,28 @@ def parking(ctx: click.Context, url: str | None, uds: str | None, token_file: st
     """
     ctx.obj = (url, uds, token_file)
     if ctx.invoked_subcommand is None:
-        engines, tickets = _with_client(
-            url,
-            uds,
-            token_file,
-            lambda c: (parked_engines(c), slot_tickets(c)),
-        )
-        if not engines and not tickets:
-            click.echo("no parked engines, no start-up slots held or waited for")
-        print_parked(engines, tickets)
+        _list((url, uds, token_file), as_json)
 
 
-Where = tuple[str | None, str | None, str | None]
+def _list(where: Where, as_json: bool) -> None:
+    engines, tickets = _with_client(*where, lambda c: (parked_engines(c), slot_tickets(c)))
+    show(engines, tickets, as_json)
 
 
 def _where(group: Where, url: str | None, uds: str | None, token_file: str | None) -> Where:
     """The daemon a subcommand talks to: its own options, else the group's."""
     return (url or group[0], uds or group[1], token_file or group[2])
+
+
+@parking.command("list")
+@daemon_options
+@_json_option
+@click.pass_obj
+def list_command(
+    group: Where, url: str | None, uds: str | None, token_file: str | None, as_json: bool
+) -> None:
+    """List parked engines and start-up slot tickets (as `weight-cache parking` does)."""
+    _list(_where(group, url, uds, token_file), as_json)
 
 
 @parking.command("release")
@@ -135,8 +172,13 @@ def release(
     token_file: str | None,
 ) -> None:
     """Release one parked engine (every TP rank): PARKED_ID, or the oldest of --model."""
-    if (parked_id is None) == (model is None):
+    if parked_id is not None and model is not None:
         raise click.UsageError("give a PARKED_ID or --model, not both")
+    if parked_id is None and model is None:
+        raise click.UsageError(
+            "give the PARKED_ID of an engine (`weight-cache parking` lists them), or --model "
+            "to release the oldest parked for that model"
+        )
     if model is not None:
         path = f"/models/{model}/release" + (f"?tp_size={tp_size}" if tp_size else "")
     else:

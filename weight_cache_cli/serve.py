@@ -78,7 +78,7 @@ def build_settings(**flags: Any) -> DaemonSettings:
     given = {k: v for k, v in flags.items() if v not in (None, ())}
     try:
         settings = DaemonSettings(**given)
-        models = [locate_checkpoint(m) for m in settings.models]
+        models = None if settings.models is None else list(map(locate_checkpoint, settings.models))
     except ValidationError as exc:
         raise SettingsError(describe(exc)) from exc
     except WeightCacheError as exc:
@@ -136,7 +136,7 @@ def serve(**flags: Any) -> None:
         raise SettingsError(str(exc)) from exc
     with stopping_signal_deferred() as stopped:
         try:
-            if not settings.models:
+            if settings.models is None:  # none asked for; `--model ''` asks for none
                 settings = settings.model_copy(
                     update={
                         "models": [_demo_checkpoint(settings.cache_dir)],
@@ -148,6 +148,35 @@ def serve(**flags: Any) -> None:
             close_listener()  # a socket file goes with the daemon
     if daemon.startup_failure is not None:
         raise click.ClickException(_startup_failure(daemon))
+    log.info("%s", what_stays(settings, stopped))
+
+
+def what_stays(settings: DaemonSettings, stopped: list[int]) -> str:
+    """The daemon's last line: why it stopped, and what outlives it (the keeper, with the
+    models it holds for the next daemon, and how to stop it)."""
+    import signal
+
+    from service.keeper.control import keeper_status
+    from service.run_dir import default_run_dir
+
+    why = f"stopped ({signal.Signals(stopped[0]).name})" if stopped else "stopped"
+    if settings.keeper == "off":
+        return f"{why}; the models' memory is freed with the daemon (--keeper off)"
+    held = keeper_status(settings.run_dir)
+    if held is None or not held.models:
+        return f"{why}; no keeper holds a model"
+    who = f"pid {held.pid}" if held.pid > 0 else "in another PID namespace"
+    when = (
+        f"after {held.idle_timeout_s:g} s without a daemon"
+        if held.idle_timeout_s
+        else "when it is stopped"
+    )
+    return (
+        f"{why}. The keeper ({who}) still holds {', '.join(held.models)} for the next daemon on "
+        f"{settings.run_dir}: `weight-cache serve` started again takes it over without loading. "
+        f"The keeper lets go {when}, or now with `weight-cache keeper --stop`"
+        + (f" --run-dir {settings.run_dir}" if settings.run_dir != default_run_dir() else "")
+    )
 
 
 def _run(settings: DaemonSettings, listener: socket.socket, stopped: list[int]) -> Daemon:

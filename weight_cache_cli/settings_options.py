@@ -55,11 +55,9 @@ def _click_type(value: Any, field: FieldInfo, checked: bool) -> click.ParamType[
         return click.FLOAT
     if typing.get_origin(value) is typing.Literal:
         return click.Choice([str(choice) for choice in typing.get_args(value)])
-    if value is Path:
-        if checked:
-            return click.Path(path_type=Path, exists=True, dir_okay=False)
-        return click.Path(path_type=Path)
-    return None  # text: the settings parse it (a size, a device, a group)
+    if value is Path and checked:
+        return click.Path(path_type=Path, exists=True, dir_okay=False)
+    return None  # text: the settings parse it (a path, a size, a device, a group; '' stays '')
 
 
 def option_help(described: Setting, repeats: bool, client: bool = False) -> str:

@@ -1,6 +1,6 @@
-"""The README's settings table, made from the settings models: the daemon's, then the variables
-the others read besides (``make settings-table`` rewrites it; a test fails while the README's
-copy is stale)."""
+"""The operator's guide's settings table (docs/operating.md), made from the settings models: the
+daemon's, then the variables the others read besides (``make settings-table`` rewrites it; a
+test fails while the copy there is stale)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from weight_cache_cli.settings_options import repeats
 
 BEGIN = "<!-- settings table: written by `make settings-table` from service/settings.py -->"
 END = "<!-- end of the settings table -->"
+SETTINGS_DOC = "docs/operating.md"  # where the table lives
 
 
 def _cell(text: str) -> str:
@@ -52,13 +53,13 @@ def with_table(readme: str) -> str:
     head, begin, rest = readme.partition(BEGIN)
     _, end, tail = rest.partition(END)
     if not begin or not end:
-        raise ValueError(f"the README has no {BEGIN!r} ... {END!r} markers")
+        raise ValueError(f"no {BEGIN!r} ... {END!r} markers in the text")
     return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
 
 
 def main() -> None:
-    """Rewrite the table in the README named on the command line (default: README.md)."""
-    path = Path(sys.argv[1] if len(sys.argv) > 1 else "README.md")
+    """Rewrite the table in the file named on the command line (default: docs/operating.md)."""
+    path = Path(sys.argv[1] if len(sys.argv) > 1 else SETTINGS_DOC)
     path.write_text(with_table(path.read_text()))
 
 

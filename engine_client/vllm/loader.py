@@ -22,6 +22,7 @@ engine sees it), ``park`` (wait before the load until the daemon releases this e
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -146,11 +147,33 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
         try:
             model = self._attach_model(vllm_config, model_config, prefix)
         except Exception as exc:
-            self.fallback_reason = fall_back_or_raise(
+            reason = fall_back_or_raise(
                 exc, self.options.fallback, "falling back to vLLM's default loader"
             )
+        else:
+            self._log_attached(start)
+            return model
+        self.fallback_reason = reason
+        return self._fall_back(vllm_config, model_config, prefix, reason)
+
+    def _fall_back(
+        self, vllm_config: Any, model_config: Any, prefix: str, reason: Reason
+    ) -> nn.Module:
+        """vLLM's default load, run outside the ``except`` that caught why attaching failed:
+        a failure of vLLM's own load is its own, never chained onto the daemon's error (which
+        would have a reader blame the daemon), and it names the fallback that led to it."""
+        try:
             fallback: nn.Module = self._default().load_model(vllm_config, model_config, prefix)
-            return fallback
+        except Exception as exc:
+            if sys.version_info >= (3, 11):  # vLLM 0.33 runs on 3.11 and later
+                exc.add_note(
+                    f"weight-cache had fallen back to vLLM's default loader ({reason}); this "
+                    "error is that loader's own"
+                )
+            raise
+        return fallback
+
+    def _log_attached(self, start: float) -> None:
         attachment = self.attachment
         assert attachment is not None
         log.info(
@@ -163,7 +186,6 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
             attachment.timings.open_ms,
             attachment.timings.rebuild_ms,
         )
-        return model
 
     def _attach_model(self, vllm_config: Any, model_config: Any, prefix: str) -> nn.Module:
         load = Load(

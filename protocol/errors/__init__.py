@@ -2,11 +2,11 @@
 
 Every class is one failure mode with a stable ``code`` (what clients switch on), the HTTP
 ``status`` the API answers with, a ``title`` and a ``hint``: what to do about it, which the
-problem document carries, the CLI prints and the README's troubleshooting table lists (a test
-keeps the table equal to the classes); ``cli_hint`` words it for a user of the ``weight-cache``
-command where that differs. The daemon turns an instance into ``application/problem+json``; the
-engine-side client turns such a body back into the same class through
-:func:`error_from_problem`, so both sides raise the same types.
+problem document carries, the CLI prints and the troubleshooting table of docs/operating.md
+lists (a test keeps the table equal to the classes); ``cli_hint`` words it for a user of the
+``weight-cache`` command where that differs. The daemon turns an instance into
+``application/problem+json``; the engine-side client turns such a body back into the same class
+through :func:`error_from_problem`, so both sides raise the same types.
 
 Families: ``base`` (the base, an unexpected failure, and the registry of codes), ``requests``
 (what the API refuses as a request), ``access`` (who may call, and whose leases), ``models``

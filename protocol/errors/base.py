@@ -19,8 +19,8 @@ class WeightCacheError(Exception):
     status: ClassVar[int] = 500
     title: ClassVar[str] = "Internal error"
     # What to do about it: the problem document's ``hint``, the CLI's advice and the last column
-    # of the README's troubleshooting table. ``cli_hint``: the same advice for a user of the
-    # ``weight-cache`` command, where it differs.
+    # of the troubleshooting table of docs/operating.md. ``cli_hint``: the same advice for a user
+    # of the ``weight-cache`` command, where it differs.
     hint: ClassVar[str] = "report it with the daemon's log, which holds the traceback"
     cli_hint: ClassVar[str] = ""
 

@@ -109,8 +109,8 @@ class CudaDriverError(WeightCacheError):
     status = 500
     title = "A CUDA driver call failed"
     hint = (
-        "check the GPU driver and that cuda-bindings is installed (pip install "
-        "'weight-cache[cuda]'), or start the daemon with --cuda-handles ipc"
+        "check the GPU driver and that cuda-bindings is installed (the package's cuda extra: "
+        "pip install 'cuda-bindings>=13.0,<14'), or start the daemon with --cuda-handles ipc"
     )
 
 
@@ -122,8 +122,9 @@ class KeeperUnavailableError(WeightCacheError):
     status = 503
     title = "No keeper for this daemon"
     hint = (
-        "start `weight-cache keeper` on the same --run-dir (or use --keeper auto), and stop any "
-        "other daemon using that keeper"
+        "a keeper serves one daemon: stop the daemon that holds it, or give this one a "
+        "--run-dir of its own (WEIGHT_CACHE_RUN_DIR); with --keeper external, start "
+        "`weight-cache keeper` on the same --run-dir first"
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 from protocol.schemas.manifest import DeviceKind
@@ -25,6 +27,24 @@ class DeviceInfo(BaseModel):
     )
 
 
+KeeperMode = Literal["auto", "external", "off"]
+
+
+class KeeperInfo(BaseModel):
+    """The process that holds the arenas across the daemon's restarts (``--keeper``)."""
+
+    mode: KeeperMode
+    socket: str | None = Field(description="<run-dir>/keeper.sock; null with --keeper off")
+    attached: bool = Field(description="the daemon is attached to it now")
+    pid: int | None = Field(
+        description="its process as the daemon sees it; null when off, or in another PID namespace"
+    )
+    started_by_daemon: bool = Field(
+        description="this daemon started it (--keeper auto): it outlives the daemon, holding "
+        "the models for the next one until its idle timeout"
+    )
+
+
 class Inventory(BaseModel):
     boot_id: str
     version: str
@@ -33,3 +53,4 @@ class Inventory(BaseModel):
     memory_budget: int | None = Field(description="bytes the cache may hold; null if unbounded")
     models: list[ModelInfo]
     active_leases: int
+    keeper: KeeperInfo | None = Field(default=None, description="null from older daemons")

@@ -31,7 +31,7 @@ from service.memory.arena import Arena, ShmArena, VmmArena
 from service.memory.digest import arena_digest
 from service.memory.layout import ArenaLayout
 from service.memory.shm import ArenaDir, ShmFile, remove_if_held
-from service.registry.loader import ResidentRank
+from service.registry.loader import Progress, ResidentRank
 from service.registry.models import ModelRecord
 
 log = get_logger("service.daemon")
@@ -108,11 +108,20 @@ def adopt_model(kept: KeptModel, fds: ArenaFds, arena_dir: ArenaDir | None) -> M
         for rank in ranks:
             rank.arena.release()
         raise
+    # Ready as loaded: its progress is complete (every tensor of every rank in place), not 0/0.
+    tensors = [t for rank in ranks for t in rank.manifest.tensors]
+    nbytes = sum(t.nbytes for t in tensors)
     return ModelRecord(
         id=kept.id,
         path=Path(kept.path),
         tp_size=kept.tp_size,
         state=ModelState.ready,
+        progress=Progress(
+            bytes_total=nbytes,
+            bytes_done=nbytes,
+            tensors_total=len(tensors),
+            tensors_done=len(tensors),
+        ),
         ranks=ranks,
         checkpoint=kept.checkpoint,
         load_seconds=kept.load_seconds,

@@ -16,6 +16,7 @@ import torch
 
 from protocol.errors import HandleRefusedError
 from protocol.logsafe import get_logger
+from protocol.schemas.inventory import KeeperInfo
 from protocol.schemas.manifest import HandleAccess
 from protocol.schemas.models import ModelState
 from service.keeper.adopt import adopt_models
@@ -57,6 +58,7 @@ class Custody:
         )
         self._serving = False
         self.adopted: dict[str, tuple[Path, int]] = {}  # model id -> (path, tp size)
+        self.leases_taken_over = 0  # at start, from the keeper
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -87,6 +89,7 @@ class Custody:
                     taken += 1
                 else:
                     self.keeper.drop_lease(kept.id)
+            self.leases_taken_over = taken
         if snapshot.models:
             log.info(
                 "took over %d of %d model(s) and %d lease(s) from the keeper in %.3f s",
@@ -104,6 +107,17 @@ class Custody:
     def keeps(self) -> bool:
         """Whether a keeper holds the arenas when this daemon stops (then it leaves them)."""
         return self.keeper.enabled
+
+    def keeper_info(self) -> KeeperInfo:
+        """The keeper as the inventory shows it."""
+        link = self.keeper
+        return KeeperInfo(
+            mode=link.mode,
+            socket=str(link.path) if link.enabled else None,
+            attached=link.attached,
+            pid=link.pid if link.enabled else None,
+            started_by_daemon=link.started,
+        )
 
     def shutdown(self) -> None:
         self.handles.stop()

@@ -22,8 +22,9 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from protocol.errors import KeeperUnavailableError
-from protocol.fd_passing import FramingError, receive_message, send_message
+from protocol.fd_passing import FramingError, peer_credentials, receive_message, send_message
 from protocol.logsafe import get_logger
+from protocol.schemas.inventory import KeeperMode
 from service.keeper.messages import (
     MAX_MESSAGE_BYTES,
     ArenaFd,
@@ -80,7 +81,7 @@ class KeeperLink:
     def __init__(
         self,
         run_dir: Path,
-        mode: str,
+        mode: KeeperMode,
         boot_id: str,
         holdings: Holdings,
         shm_group: str | None = None,
@@ -95,6 +96,8 @@ class KeeperLink:
         self._queue: queue.Queue[Entry | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._resync = False
+        self.pid: int | None = None  # the keeper attached to, as this process sees it
+        self.started: bool = False  # this daemon started it (--keeper auto)
 
     @property
     def enabled(self) -> bool:
@@ -103,6 +106,10 @@ class KeeperLink:
     @property
     def path(self) -> Path:
         return self.run_dir / KEEPER_SOCKET
+
+    @property
+    def attached(self) -> bool:
+        return self._sock is not None and not self._resync
 
     # --- attaching -----------------------------------------------------------------------------
 
@@ -119,6 +126,7 @@ class KeeperLink:
         deadline = time.monotonic() + timeout_s
         if not answers(self.path) and self.mode == "auto":
             spawn_keeper(self.run_dir, self.shm_group)
+            self.started = True
         while not answers(self.path):
             if time.monotonic() > deadline:
                 raise KeeperUnavailableError(
@@ -135,6 +143,7 @@ class KeeperLink:
         try:
             sock.settimeout(timeout_s)
             sock.connect(str(self.path))
+            self.pid = peer_credentials(sock)[0] or None
             send_message(
                 sock, Envelope(message=Attach(pid=os.getpid(), boot_id=self.boot_id, resync=resync))
             )

@@ -134,6 +134,9 @@ class StatusReply(BaseModel):
     models: list[str]
     arenas: int
     leases: int
+    idle_timeout_s: float | None = Field(
+        default=None, description="how long it waits for a daemon before it lets go (0: ever)"
+    )
 
 
 class Refused(BaseModel):

@@ -192,6 +192,7 @@ class Keeper:
                 models=sorted(self.state.models),
                 arenas=len(self.state.fds),
                 leases=len(self.state.leases),
+                idle_timeout_s=self.idle_timeout_s,
             )
 
     def _daemon(self, conn: socket.socket, attach: Attach) -> None:
@@ -208,10 +209,8 @@ class Keeper:
             else:
                 busy, self.daemon_pid = None, attach.pid
         if busy is not None:
-            send_message(
-                conn,
-                Envelope(message=Refused(detail=f"daemon pid {busy} holds this keeper")),
-            )
+            detail = f"daemon pid {busy} holds this keeper"
+            send_message(conn, Envelope(message=Refused(detail=detail)))
             return
         log.info("daemon pid %d (boot %s) attached", attach.pid, attach.boot_id)
         try:

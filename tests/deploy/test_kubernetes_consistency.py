@@ -31,6 +31,7 @@ from tests.deploy.test_compose import COMPOSE, DOCKER, env_example, substitute
 
 PODS = pods()
 README = ROOT / "README.md"
+OPERATING = ROOT / "docs" / "operating.md"  # the operator's guide, Docker and Kubernetes
 DAEMON_DOCKERFILE = "docker/Dockerfile"
 ENGINE_DOCKERFILE = "docker/Dockerfile.vllm"
 PREFIX = "WEIGHT_CACHE_"
@@ -91,10 +92,10 @@ def test_images_are_the_ones_compose_builds() -> None:
 
 
 def test_images_are_named_in_the_readmes() -> None:
-    readme, guide = README.read_text(), GUIDE.read_text()
+    operating, guide = OPERATING.read_text(), GUIDE.read_text()
     for _, container in containers(DAEMON_IMAGE_CONTAINERS | ENGINE_IMAGE_CONTAINERS):
         image = container["image"]
-        assert f"`{repository(image)}`" in readme, image
+        assert f"`{image}`" in operating, image
         assert image in guide, image
 
 
@@ -108,7 +109,7 @@ def test_daemon_port_is_the_one_compose_and_the_image_expose() -> None:
         assert [(p["name"], p["containerPort"]) for p in daemon["ports"]] == [
             ("wc-http", DEFAULT_PORT)
         ], pod.name
-    for text in (README.read_text(), GUIDE.read_text()):
+    for text in (README.read_text(), OPERATING.read_text(), GUIDE.read_text()):
         assert str(DEFAULT_PORT) in text
 
 
@@ -257,7 +258,8 @@ def test_engine_attaches_to_its_daemon(pod: Pod) -> None:
 
 
 def test_readme_links_the_guide_and_names_the_probes() -> None:
-    readme = README.read_text()
-    assert "(deploy/kubernetes/README.md)" in readme
-    for text in (readme, GUIDE.read_text()):
+    assert "(deploy/kubernetes/README.md)" in README.read_text()
+    operating = OPERATING.read_text()
+    assert "(../deploy/kubernetes/README.md)" in operating
+    for text in (operating, GUIDE.read_text()):
         assert "`/health`" in text and "`/ready`" in text

@@ -98,8 +98,14 @@ def test_process_namespace_shared_only_for_legacy_ipc(pod: Pod) -> None:
         assert env_of(daemon)["WEIGHT_CACHE_KEEPER"] == expected
 
 
+DEVICE_PLUGIN = "sidecar-device-plugin"
+DEVICE_PLUGIN_GPU = "nvidia.com/gpu"
+
+
 @pytest.mark.parametrize("pod", PODS, ids=pod_ids)
 def test_one_gpu_claim_for_every_cuda_container(pod: Pod) -> None:
+    if pod.topology == DEVICE_PLUGIN:
+        pytest.skip("no DRA claim on the device plugin: test_device_plugin_variant")
     declared = {c["name"]: c for c in pod.spec.get("resourceClaims", [])}
     named = {
         c["name"]: {claim["name"] for claim in c["resources"].get("claims", [])}
@@ -315,3 +321,37 @@ def test_services_reach_engines(topology: str) -> None:
         assert [p.workload["kind"] for p in selected] == ["Deployment"]
         names = {port["name"] for c in selected[0].containers() for port in c.get("ports", [])}
         assert {p["targetPort"] for p in service["spec"]["ports"]} <= names
+
+
+def test_device_plugin_variant() -> None:
+    """The sidecar pod on NVIDIA's device plugin: no DRA object or claim anywhere, one
+    nvidia.com/gpu for the daemon and one for the engine (a time-sliced GPU shared by both, on
+    single-GPU nodes), none for the keeper; otherwise the sidecar's pod as it is."""
+    resources = rendered(DEVICE_PLUGIN)
+    assert not [r for r in resources if r["apiVersion"].startswith("resource.k8s.io/")]
+    (pod,) = [p for p in PODS if p.topology == DEVICE_PLUGIN]
+    (sidecar,) = [p for p in PODS if p.topology == "sidecar"]
+    assert "resourceClaims" not in pod.spec
+    assert pod.spec["nodeSelector"] == {"nvidia.com/gpu.count": "1"}
+    for container in pod.containers():
+        resources_of = container["resources"]
+        assert "claims" not in resources_of, container["name"]
+        gpus = {k: v.get(DEVICE_PLUGIN_GPU) for k, v in resources_of.items()}
+        wanted = "1" if container["name"] in {"daemon", "engine"} else None
+        assert gpus == {"requests": wanted, "limits": wanted}, container["name"]
+        base = sidecar.container(container["name"])
+        assert base is not None
+        assert {k: v for k, v in container.items() if k != "resources"} == {
+            k: v for k, v in base.items() if k != "resources"
+        }
+
+
+@pytest.mark.parametrize("pod", [p for p in PODS if p.container("engine")], ids=pod_ids)
+def test_engines_keep_the_compile_cache_on_a_volume(pod: Pod) -> None:
+    """vLLM's compile cache (VLLM_CACHE_ROOT) on a volume of the pod's, which a restarted engine
+    container finds again (an emptyDir lives as long as the pod)."""
+    engine = pod.container("engine")
+    assert engine is not None
+    root = env_of(engine)["VLLM_CACHE_ROOT"]
+    (mount,) = [m for m in engine["volumeMounts"] if m["mountPath"] == root]
+    assert "emptyDir" in pod.volume(mount["name"]) and not mount.get("readOnly")

@@ -55,7 +55,10 @@ def test_kill_restart_adopt_and_take_the_lease_over(tmp_path: Path, checkpoint: 
             assert "adopted tiny from the keeper" in log and "checksums verified" in log
             assert "loading tiny" not in log
             metrics = httpx.get(f"{second.url}/metrics").text
-            assert "weight_cache_load_seconds_count 0.0" in metrics
+            assert "weight_cache_load_duration_seconds_count 0.0" in metrics
+            # the lease taken over counts, so that granted less ended is what is active
+            assert 'weight_cache_leases_granted_total{via="keeper"} 1.0' in metrics
+            assert "weight_cache_leases_active 1.0" in metrics
             assert sorted(arena_dir_path(shm).iterdir()) == files  # the same file, not a new one
             model = httpx.get(f"{second.url}/v1/models/tiny").json()
             assert model["state"] == "ready" and model["active_leases"] == 1

@@ -163,6 +163,18 @@ def test_release_over_rest_and_the_cli(
     assert str(first.process.pid) in listing and "Parked engines" in listing
     status = cli(url, "status")
     assert "parked" in status and str(second.process.pid) in status
+    # the ids `release` and `cancel` take are shown whole, on an 80-column terminal too
+    listed = json.loads(cli(url, "parking", "list", "--json"))
+    assert sorted(e["id"] for e in listed["parked"]) == sorted(e["id"] for e in parked(url))
+    narrow = subprocess.run(
+        [*CLI, "parking", "--url", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env={**os.environ, "COLUMNS": "80"},
+    ).stdout
+    assert all(e["id"] in narrow for e in listed["parked"]), narrow
 
     oldest = min(parked(url), key=lambda p: p["parked_at"])
     cli(url, "parking", "release", "--model", "tiny")

@@ -104,7 +104,7 @@ def test_soak_leaves_no_trace(tmp_path: Path, tiny_fp8: Path, capsys) -> None:
             f"({CYCLES / elapsed:.0f}/s), failures {failures}; before {before}; after {after}"
         )
     assert failures == 0
-    assert f"weight_cache_leases_granted_total {CYCLES + 300}.0" in metrics
+    assert f'weight_cache_leases_granted_total{{via="request"}} {CYCLES + 300}.0' in metrics
     assert after["leases"] == before["leases"] == 0
     assert after["shm_files"] == before["shm_files"] == 1
     assert after["fds"] == before["fds"]

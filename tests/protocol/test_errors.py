@@ -15,7 +15,7 @@ from harness.cli import run_cli
 from protocol.errors import UnauthorizedError, VerificationError, error_classes, error_from_problem
 from protocol.reasons import Reason
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "operating.md"  # the operator's guide
 ABSTRACT = {"invalid_checkpoint", "conflict"}  # bases of other codes, never raised as such
 
 

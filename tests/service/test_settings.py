@@ -21,7 +21,7 @@ from weight_cache_cli import cli
 from weight_cache_cli.serve import SettingsError, build_settings
 from weight_cache_cli.settings_table import with_table
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "operating.md"  # the operator's guide
 
 
 @pytest.fixture(autouse=True)

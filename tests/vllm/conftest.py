@@ -1,6 +1,6 @@
 """Tests against the real vLLM 0.33 (run in its own environment: ``make test`` uses
 ``$(VLLM_VENV)``). vLLM's CUDA build selects its CPU platform here, which is enough to build
-models, run its weight loaders and TP sharding on gloo; see the README for what needs a GPU.
+models, run its weight loaders and TP sharding on gloo; see the README ("What needs a GPU").
 
 Every process these tests run sees a plain AVX2 x86-64 host (``cpu_capabilities``); a test that
 needs a capability of the host itself says so with ``@pytest.mark.host_capability(...)``."""

@@ -152,6 +152,42 @@ def test_without_the_daemon_it_delegates_to_vllms_default_loader(
     assert delegated.configs[0].model_loader_extra_config == {}
 
 
+def test_a_failure_of_vllms_own_load_is_its_own(tiny_fp8: Path, monkeypatch) -> None:
+    """After a fallback, an error of vLLM's default load is raised as it is: not chained onto
+    the daemon's error (a reader would blame the daemon), and its last line names the
+    fallback's reason."""
+    import traceback
+
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    from engine_client.vllm_plugin import register
+
+    def fails(self, vllm_config, model_config, prefix=""):
+        raise RuntimeError("vLLM's own load stopped")
+
+    register()
+    monkeypatch.setattr(DefaultModelLoader, "load_model", fails)
+    url = f"http://127.0.0.1:{free_port()}"
+    vllm_config, model_config = configs(tiny_fp8, "weight_cache", {"url": url})
+    loader = get_model_loader(vllm_config.load_config)
+    with (
+        set_current_vllm_config(vllm_config),
+        vllm_world(port=free_port()),
+        pytest.raises(RuntimeError, match="own load stopped") as raised,
+    ):
+        loader.load_model(vllm_config, model_config)
+    error = raised.value
+    assert error.__cause__ is None and error.__context__ is None
+    printed = "".join(traceback.format_exception(error))
+    assert "DaemonUnavailableError" not in printed
+    assert printed.rstrip().splitlines()[-1] == (
+        "weight-cache had fallen back to vLLM's default loader (daemon_unavailable); this "
+        "error is that loader's own"
+    )
+
+
 def test_fallback_false_raises(tiny_fp8: Path) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
+from protocol.version import __version__
 from tests.service.api.conftest import Served
 from weight_cache_cli import cli
 
@@ -47,13 +48,19 @@ def test_metrics(served: Served) -> None:
     for line in (
         'weight_cache_models{state="ready"} 1.0',
         "weight_cache_leases_active 1.0",
-        "weight_cache_leases_granted_total 1.0",
+        'weight_cache_leases_granted_total{via="request"} 1.0',
         'weight_cache_refusals_total{code="model_not_found"} 1.0',
-        "weight_cache_lease_seconds_count 1.0",
-        "weight_cache_load_seconds_count 1.0",
+        "weight_cache_lease_grant_duration_seconds_count 1.0",
+        "weight_cache_load_duration_seconds_count 1.0",
     ):
         assert line in text, line
-    assert 'weight_cache_bytes_resident{model="tiny"}' in text
+    assert 'weight_cache_resident_bytes{model="tiny"}' in text
+    (build,) = [line for line in text.splitlines() if line.startswith("weight_cache_build_info{")]
+    assert f'version="{__version__}"' in build and build.endswith(" 1.0")
+    # Prometheus's conventions: no _created series, no name of the old scheme
+    assert "_created" not in text
+    for old in ("weight_cache_bytes_resident", "weight_cache_lease_seconds", "load_seconds_"):
+        assert old not in text, old
 
 
 def test_openapi_json_is_the_apps_contract() -> None:
