@@ -40,9 +40,9 @@ class EngineApi:
             return False
 
     def sleep(self, level: int) -> None:
-        """Put the engine to sleep (requests in flight are aborted; there are none on a
-        standby, which the proxy keeps requests off)."""
-        self._post("/sleep", {"level": str(level)})
+        """Put the engine to sleep once the requests in flight are answered (mode ``wait``: a
+        request a proxy sent before it saw the engine was a standby is served, not aborted)."""
+        self._post("/sleep", {"level": str(level), "mode": "wait"})
 
     def wake_up(self) -> None:
         """Wake every part of the engine and resume its scheduler."""

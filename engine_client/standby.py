@@ -47,7 +47,7 @@ from protocol.schemas.parking import MAX_WAIT_S, ParkedEngine, ParkRequest, Park
 log = get_logger(__name__)
 T = TypeVar("T")
 
-HEALTH_POLL_S = 0.25
+HEALTH_POLL_S = 0.02  # the proxy must not see it awake long before it sleeps
 RETRY_S = 1.0  # between attempts to reach a daemon that does not answer
 ASLEEP_LIMIT_BYTES = 2 << 30  # what a sleeping standby should hold at most, per GPU
 

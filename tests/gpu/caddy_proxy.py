@@ -27,7 +27,8 @@ def proxy_environment(
     """The placeholders ``docker/Caddyfile`` reads: where the proxy listens and the engines'
     addresses (``{$ENGINE_UPSTREAMS}`` expands to several upstreams, separated by spaces); with
     ``standby``, engines count as healthy only while awake (``/is_sleeping`` answers false),
-    asked every 100 ms."""
+    asked every 100 ms and awake three times in a row before
+    it is sent requests."""
     env = {
         "PROXY_PORT": str(port),
         "ENGINE_UPSTREAMS": " ".join(f"{host}:{p}" for p in upstreams),
@@ -37,6 +38,7 @@ def proxy_environment(
             PROXY_HEALTH_URI="/is_sleeping",
             PROXY_HEALTH_BODY="false",
             PROXY_HEALTH_INTERVAL="100ms",
+            PROXY_HEALTH_PASSES="3",
         )
     return env
 

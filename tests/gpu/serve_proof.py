@@ -562,7 +562,7 @@ class ServeProof:
         proxy = self.start_proxy(engines, ports, standby=True)
         serving = next(e for e in engines if standby_state(e.process.lines()) == "serving")
         expected = self.expected() or serving.ask(self.prompts[0]).tokens
-        stream = self.stream(proxy.url, workers=1, pause_s=0.02).start()
+        stream = self.stream(proxy.url, workers=2, pause_s=0.02).start()
         try:
             for index in range(takeovers):
                 serving = next(e for e in engines if standby_state(e.process.lines()) == "serving")

@@ -202,8 +202,10 @@ def _crowd_checks(name: str, crowd: dict[str, Any]) -> list[dict[str, Any]]:
     return checks
 
 
-def held(memory: dict[str, int] | None) -> int:
-    return sum((memory or {}).values())
+def engine_held(takeover: dict[str, Any], engine: str, key: str) -> int:
+    """GPU bytes the processes of ``engine`` held in one reading (the daemon's left out)."""
+    memory = takeover.get(key) or {}
+    return sum(b for name, b in memory.items() if name.startswith(f"{engine}."))
 
 
 def _warm_checks(name: str, warm: dict[str, Any]) -> list[dict[str, Any]]:
@@ -221,7 +223,7 @@ def _warm_checks(name: str, warm: dict[str, Any]) -> list[dict[str, Any]]:
         ),
     ]
     checks += _stream_checks(name, warm.get("account"))
-    asleep = [held(t.get("asleep_memory")) for t in takeovers]
+    asleep = [engine_held(t, t["woken"], "asleep_memory") for t in takeovers]
     checks.append(
         _check(
             f"{name}: a sleeping standby holds at most 2 GiB "
@@ -397,7 +399,8 @@ def warm_table(name: str, warm: dict[str, Any]) -> list[str]:
             f"| {t['killed']} -> {t['woken']} | {_s3(t.get('kill_to_first_token_s'))} | "
             f"{_s3(t.get('released_after_kill_s'))} | {_s3(t.get('awake_after_kill_s'))} "
             f"({_s3(t.get('room_wait_s'))}, {_s3(t.get('wake_s'))}) | "
-            f"{_s3(t.get('direct_answer_s'))} | {_gib(held(t.get('asleep_memory')))} | "
+            f"{_s3(t.get('direct_answer_s'))} | "
+            f"{_gib(engine_held(t, t['woken'], 'asleep_memory'))} | "
             f"{', '.join(f'{n} {v} GiB' for n, v in kv.items())} |"
         )
     account = warm.get("account") or {}

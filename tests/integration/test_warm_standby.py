@@ -106,6 +106,7 @@ def start_proxy(port: int, upstreams: list[int], log: Path) -> subprocess.Popen[
         "PROXY_HEALTH_URI": "/is_sleeping",
         "PROXY_HEALTH_BODY": "false",
         "PROXY_HEALTH_INTERVAL": "100ms",
+        "PROXY_HEALTH_PASSES": "3",
     }
     with log.open("wb") as out:
         return subprocess.Popen(

@@ -48,7 +48,7 @@ def test_the_client_drives_vllms_sleep_router() -> None:
     assert api.is_sleeping() is True
     api.wake_up()
     assert api.is_sleeping() is False
-    assert engine.calls == [("sleep", (1, "abort")), ("wake_up", None)]
+    assert engine.calls == [("sleep", (1, "wait")), ("wake_up", None)]
 
 
 def _source(module: str) -> str:
