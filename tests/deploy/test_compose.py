@@ -174,7 +174,6 @@ def test_engine_service(compose: dict[str, Any]) -> None:
         "token_file": "/run/secrets/weight_cache_token",
         "fallback": True,
         "wait": 600,
-        "park": "if_serving",  # started again behind a standby that serves, it parks
     }
     from engine_client.loader_options import LoaderOptions
 
@@ -314,29 +313,71 @@ def mounts(volumes: list[Any]) -> dict[str, str]:
     return found
 
 
-def test_standby_and_proxy_form_one_topology(compose: dict[str, Any]) -> None:
-    """Profile `standby`: a second engine like the first, parked by default, and Caddy from
-    its official image in front of both, reading docker/Caddyfile."""
+STANDBY = DOCKER / "compose.standby.yaml"
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    """YAML as Compose reads it: ``!reset`` empties what an earlier file set."""
+
+
+_ComposeLoader.add_constructor("!reset", lambda loader, node: Reset())
+
+
+class Reset(list[Any]):
+    """What ``!reset`` stands for in an override file."""
+
+
+def load_standby(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """compose.standby.yaml with its variables filled (from .env.example unless ``env``)."""
+    filled = substitute(STANDBY.read_text(), env_example() if env is None else env)
+    loaded: dict[str, Any] = yaml.load(filled, Loader=_ComposeLoader)
+    return loaded
+
+
+def merged(base: Any, over: Any) -> Any:
+    """Compose's merge of an override file: mappings merged key by key, lists and scalars of
+    the override win, ``!reset`` removes the key."""
+    if isinstance(base, dict) and isinstance(over, dict):
+        out = dict(base)
+        for key, value in over.items():
+            if isinstance(value, Reset):
+                out.pop(key, None)
+            else:
+                out[key] = merged(base.get(key), value) if key in base else value
+        return out
+    return over
+
+
+def test_warm_standby_override_forms_one_topology(compose: dict[str, Any], tmp_path: Path) -> None:
+    """docker/compose.standby.yaml: both engines under `weight-cache standby` with vLLM's sleep
+    mode, alike but for the name; neither engine's port published (they serve vLLM's development
+    endpoints); Caddy in front, healthy only while awake, three checks in a row. The merged
+    file is a valid compose file."""
+    from engine_client.engine_api import SLEEP_FLAG
     from engine_client.loader_options import LoaderOptions
 
-    services = compose["services"]
+    override = load_standby()
+    services = merged(compose, {k: v for k, v in override.items() if k == "services"})["services"]
     engine, standby, proxy = services["engine"], services["standby"], services["proxy"]
-    assert standby["profiles"] == proxy["profiles"] == ["standby"]
-    assert "profiles" not in engine and "profiles" not in services["daemon"]
-    for same in ("image", "secrets", "volumes", "depends_on", "deploy", "restart"):
+    for name, svc in (("engine", engine), ("standby", standby)):
+        assert svc["entrypoint"][:2] == ["weight-cache", "standby"], name
+        assert svc["entrypoint"][-3:] == ["--", "vllm", "serve"], name
+        assert SLEEP_FLAG in svc["command"], name
+        args = svc["command"]
+        extra = json.loads(args[args.index("--model-loader-extra-config") + 1])
+        assert "park" not in extra and extra["fallback"] is False
+        LoaderOptions.model_validate(extra)
+        assert "ports" not in svc, name
+    for same in ("image", "secrets", "volumes", "depends_on", "deploy", "restart", "command"):
         assert standby[same] == engine[same], same
-    args = standby["command"]
-    extra = json.loads(args[args.index("--model-loader-extra-config") + 1])
-    assert extra["park"] is True and extra["fallback"] is False
-    assert LoaderOptions.model_validate(extra).park is True
-    hot = yaml.safe_load(
-        substitute(COMPOSE.read_text(), {**env_example(), "STANDBY_PARK": "false"})
-    )
-    hot_args = hot["services"]["standby"]["command"]
-    assert json.loads(hot_args[hot_args.index("--model-loader-extra-config") + 1])["park"] is False
-    assert "ports" not in standby  # reached through the proxy
+    assert standby["environment"] == engine["environment"] == {"VLLM_CACHE_ROOT": "/var/cache/vllm"}
     assert proxy["image"].startswith("caddy:")
     assert proxy["volumes"] == ["./Caddyfile:/etc/caddy/Caddyfile:ro"]
     assert proxy["environment"]["ENGINE_UPSTREAMS"] == "engine:8000 standby:8000"
+    assert proxy["environment"]["PROXY_HEALTH_URI"] == "/is_sleeping"
+    assert proxy["environment"]["PROXY_HEALTH_BODY"] == "false"
+    assert proxy["environment"]["PROXY_HEALTH_PASSES"] == "3"
     assert all(p.startswith("127.0.0.1:") for p in proxy["ports"])
-    assert (DOCKER / "Caddyfile").is_file()
+    whole = merged(compose, override)
+    out = _check_compose_spec({k: v for k, v in whole.items() if not k.startswith("x-")}, tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -18,7 +18,14 @@ import yaml
 
 from protocol.version import __version__
 from tests.deploy.kubernetes_files import DAEMON_IMAGE_CONTAINERS, ENGINE_IMAGE_CONTAINERS, pods
-from tests.deploy.test_compose import COMPOSE, DOCKER, env_example, substitute
+from tests.deploy.test_compose import (
+    COMPOSE,
+    DOCKER,
+    env_example,
+    load_standby,
+    merged,
+    substitute,
+)
 
 ROOT = DOCKER.parent
 DAEMON_TAG = f"weight-cache:{__version__}"
@@ -40,9 +47,11 @@ def vllm_pin() -> str:
 
 
 def compose_with_defaults() -> dict[str, Any]:
-    """The compose file as Compose reads it with no docker/.env: every default applies."""
+    """The compose files (compose.yaml, and compose.standby.yaml over it) as Compose reads them
+    with no docker/.env: every default applies."""
     loaded: dict[str, Any] = yaml.safe_load(substitute(COMPOSE.read_text(), {}))
-    return loaded
+    whole: dict[str, Any] = merged(loaded, load_standby({}))
+    return whole
 
 
 def test_one_tag_scheme_for_compose_kubernetes_and_the_build() -> None:
