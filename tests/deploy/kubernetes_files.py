@@ -31,7 +31,10 @@ DRA_API_VERSION = "resource.k8s.io/v1"
 # Containers by what they run: the daemon image (docker/Dockerfile) or the engine image
 # (docker/Dockerfile.vllm). A container of another name fails the checks until it is sorted here.
 DAEMON_IMAGE_CONTAINERS = {"daemon", "keeper"}
-ENGINE_IMAGE_CONTAINERS = {"engine", "wait-for-daemon"}
+ENGINE_IMAGE_CONTAINERS = {"engine", "engine-b", "wait-for-daemon"}
+# Caddy in front of a warm standby's two engines (sidecar-warm-standby), from its own image.
+PROXY_CONTAINERS = {"proxy"}
+PROXY_IMAGE = "caddy:2.11"
 RUN_DIR = "/run/weight-cache"
 
 # Settings decided for this round (file-descriptor handles, the keeper) whose fields another

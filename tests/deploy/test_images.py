@@ -17,7 +17,13 @@ import pytest
 import yaml
 
 from protocol.version import __version__
-from tests.deploy.kubernetes_files import DAEMON_IMAGE_CONTAINERS, ENGINE_IMAGE_CONTAINERS, pods
+from tests.deploy.kubernetes_files import (
+    DAEMON_IMAGE_CONTAINERS,
+    ENGINE_IMAGE_CONTAINERS,
+    PROXY_CONTAINERS,
+    PROXY_IMAGE,
+    pods,
+)
 from tests.deploy.test_compose import (
     COMPOSE,
     DOCKER,
@@ -63,6 +69,9 @@ def test_one_tag_scheme_for_compose_kubernetes_and_the_build() -> None:
     for pod in pods():
         for container in pod.containers():
             name = container["name"]
+            if name in PROXY_CONTAINERS:
+                assert container["image"] == PROXY_IMAGE == env_example()["CADDY_IMAGE"]
+                continue
             expected = DAEMON_TAG if name in DAEMON_IMAGE_CONTAINERS else ENGINE_TAG
             assert name in DAEMON_IMAGE_CONTAINERS | ENGINE_IMAGE_CONTAINERS, name
             assert container["image"] == expected, (pod.name, name)

@@ -5,6 +5,7 @@ monitoring and network policy covering every pod."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from tests.deploy.kubernetes_files import (
     DAEMON_IMAGE_CONTAINERS,
     ENGINE_IMAGE_CONTAINERS,
+    PROXY_CONTAINERS,
     RUN_DIR,
     TOPOLOGIES,
     Pod,
@@ -22,7 +24,7 @@ from tests.deploy.kubernetes_files import (
 )
 
 PODS = pods()
-CUDA_CONTAINERS = {"daemon", "keeper", "engine"}
+CUDA_CONTAINERS = {"daemon", "keeper", "engine", "engine-b"}
 
 
 def pod_ids(pod: Pod) -> str:
@@ -59,7 +61,8 @@ def test_pod_runs_unprivileged(pod: Pod) -> None:
     assert context["runAsUser"] == context["runAsGroup"] == context["fsGroup"] == 10001
     assert context["seccompProfile"] == {"type": "RuntimeDefault"}
     for container in pod.containers():
-        assert container["name"] in DAEMON_IMAGE_CONTAINERS | ENGINE_IMAGE_CONTAINERS
+        known = DAEMON_IMAGE_CONTAINERS | ENGINE_IMAGE_CONTAINERS | PROXY_CONTAINERS
+        assert container["name"] in known
         security = container["securityContext"]
         assert security["allowPrivilegeEscalation"] is False, container["name"]
         assert security["readOnlyRootFilesystem"] is True, container["name"]
@@ -211,6 +214,8 @@ def test_token_is_a_secret_file(pod: Pod) -> None:
 
 def _probe(container: dict[str, Any], kind: str) -> tuple[str, str] | None:
     probe = container.get(kind)
+    if probe is not None and "tcpSocket" in probe:
+        return ("tcp", probe["tcpSocket"]["port"])
     return None if probe is None else (probe["httpGet"]["path"], probe["httpGet"]["port"])
 
 
@@ -233,6 +238,10 @@ def test_probes(pod: Pod) -> None:
             assert probes["readinessProbe"] == (None if sidecar else ("/ready", "wc-http"))
         elif name == "engine":
             assert set(probes.values()) == {("/health", "http")}
+        elif name == "engine-b":
+            assert set(probes.values()) == {("/health", "http-b")}
+        elif name in PROXY_CONTAINERS:  # Caddy listening; the engines' health is its own check
+            assert probes["livenessProbe"] == probes["readinessProbe"] == ("tcp", "proxy")
         else:
             assert set(probes.values()) == {None}, name
 
@@ -246,7 +255,9 @@ def test_sidecar_pod_starts_keeper_then_daemon_then_engine() -> None:
         assert sidecars == (
             ["daemon"] if pod.topology == "sidecar-legacy-ipc" else ["keeper", "daemon"]
         )
-        assert [c["name"] for c in pod.spec["containers"]] == ["engine"]
+        warm = pod.topology == "sidecar-warm-standby"
+        expected = ["engine", "engine-b", "proxy"] if warm else ["engine"]
+        assert [c["name"] for c in pod.spec["containers"]] == expected
         assert pod.workload["spec"]["replicas"] == 1
         assert pod.workload["spec"]["strategy"] == {"type": "Recreate"}  # the GPU frees first
 
@@ -305,8 +316,42 @@ def test_network_policy_covers_the_pod(pod: Pod) -> None:
     assert set(policy["spec"]["policyTypes"]) == {"Ingress", "Egress"}
     assert policy["spec"]["egress"] == []  # nothing here calls out
     allowed = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
-    ports = {p["containerPort"] for c in pod.containers() for p in c.get("ports", [])}
+    ports = {
+        p["containerPort"]
+        for c in pod.containers()
+        if not is_warm_standby(c)  # vLLM's development endpoints: reached through the proxy
+        for p in c.get("ports", [])
+    }
     assert allowed == ports
+
+
+def is_warm_standby(container: dict[str, Any]) -> bool:
+    return container.get("command", [])[:2] == ["weight-cache", "standby"]
+
+
+def test_warm_standby_variant() -> None:
+    """Both engines under `weight-cache standby` with vLLM's sleep mode, alike but for their
+    port; Caddy in front on docker/Caddyfile (the same text), healthy only while awake, three
+    checks in a row; the Service on the proxy."""
+    from engine_client.engine_api import SLEEP_FLAG
+
+    (pod,) = [p for p in PODS if p.topology == "sidecar-warm-standby"]
+    engines = [c for c in pod.containers() if c["name"] in ("engine", "engine-b")]
+    for engine in engines:
+        assert is_warm_standby(engine) and SLEEP_FLAG in engine["args"], engine["name"]
+        assert engine["command"][-3:] == ["--", "vllm", "serve"]
+    ports = [e["args"][e["args"].index("--port") + 1] for e in engines]
+    assert ports == ["8000", "8001"]
+    (proxy,) = [c for c in pod.containers() if c["name"] == "proxy"]
+    env = {e["name"]: e["value"] for e in proxy["env"]}
+    assert env["ENGINE_UPSTREAMS"] == "127.0.0.1:8000 127.0.0.1:8001"
+    assert (env["PROXY_HEALTH_URI"], env["PROXY_HEALTH_BODY"]) == ("/is_sleeping", "false")
+    assert env["PROXY_HEALTH_PASSES"] == "3"
+    (config,) = list(of_kind(pod.topology, "ConfigMap"))
+    caddyfile = Path(__file__).resolve().parents[2] / "docker" / "Caddyfile"
+    assert config["data"]["Caddyfile"] == caddyfile.read_text()
+    (service,) = of_kind(pod.topology, "Service")
+    assert service["spec"]["ports"][0]["targetPort"] == "proxy"
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
