@@ -326,7 +326,8 @@ def test_network_policy_covers_the_pod(pod: Pod) -> None:
 
 
 def is_warm_standby(container: dict[str, Any]) -> bool:
-    return container.get("command", [])[:2] == ["weight-cache", "standby"]
+    command: list[str] = container.get("command", [])
+    return command[:2] == ["weight-cache", "standby"]
 
 
 def test_warm_standby_variant() -> None:
