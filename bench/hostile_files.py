@@ -264,3 +264,51 @@ def symlink_race(target: Target, work: Path) -> Result:
             attacker.kill()
     how = ", ".join(f"{n} {what}" for what, n in sorted(outcomes.items()))
     return 40, held, f"never the outside file ({how})"
+
+
+def write_many_layers(path: Path, config_from: Path, layers: int) -> Path:
+    """A checkpoint of ``layers`` layers holding one zero-size tensor each (config.json says
+    so), about 90 bytes of header per layer."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = json.loads((config_from / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (path / "config.json").write_text(json.dumps(config))
+    shutil.copyfile(config_from / "hf_quant_config.json", path / "hf_quant_config.json")
+    entries = b",".join(
+        b'"model.layers.%d.input_layernorm.weight":{"dtype":"BF16","shape":[0],'
+        b'"data_offsets":[0,0]}' % i
+        for i in range(layers)
+    )
+    header = b"{" + entries + b"}"
+    header += b" " * (-len(header) % 8)
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    return path
+
+
+def many_layers_storm(target: Target, work: Path) -> Result:
+    """A 5.4 MB checkpoint of 60,000 layers, one zero-size tensor each, loaded four at once
+    and again as each fails, for 30 s (one load took 3.6 s and 169 MB; the storm took the
+    daemon from 260 to 956 MB and kept 700-880 MB)."""
+    path = write_many_layers(work / "many-layers", target.model, 60_000)
+    deadline = time.monotonic() + 30
+    took: list[float] = []
+    codes: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def loader(n: int) -> None:
+        i = 0
+        while time.monotonic() < deadline:
+            info, seconds = _load_once(target, path, f"layers-{n}-{i}")
+            i += 1
+            with lock:
+                took.append(seconds)
+                codes[_code(info)] = codes.get(_code(info), 0) + 1
+
+    threads = [threading.Thread(target=loader, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    refused = sum(n for code, n in codes.items() if code != "ready")
+    mean = sum(took) / max(1, len(took))
+    return len(took), refused, f"{codes}, {mean:.2f} s per load"

@@ -189,7 +189,17 @@ class DaemonSettings(BaseSettings):
     max_connections: int = setting(
         256,
         flag="--max-connections",
-        help="Most open HTTP connections; more are answered 503",
+        help="Most open HTTP connections; more are answered 503 (16 more are let in for "
+        "/health and /ready alone)",
+        ge=1,
+    )
+    max_requests_per_caller: int | None = setting(
+        None,
+        flag="--max-requests-per-caller",
+        help="Most requests of one caller (a user, or the token's holders) in the daemon's hands "
+        "at once, long-polls and bodies still arriving included; more are answered 429 "
+        "(/health and /ready never count)",
+        shown="a quarter of --max-connections",
         ge=1,
     )
     max_header_bytes: int = setting(
@@ -351,6 +361,12 @@ class DaemonSettings(BaseSettings):
                 "--model-id, or load the others over the API with their own ids"
             )
         return pairs
+
+    @property
+    def requests_per_caller(self) -> int:
+        """``--max-requests-per-caller``, by default a quarter of ``--max-connections``: well
+        below the connection cap, so one caller never holds them all."""
+        return self.max_requests_per_caller or max(1, self.max_connections // 4)
 
     @property
     def is_loopback(self) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -146,56 +147,61 @@ def read_dims(config: dict[str, Any], source: str) -> ModelDims:
     )
 
 
+def layer_linear_specs(dims: ModelDims, i: int) -> list[LinearSpec]:
+    """The linear layers of decoder layer ``i``, in the order vLLM creates them."""
+    h, inter = dims.hidden_size, dims.intermediate_size
+    attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+    return [
+        LinearSpec(
+            prefix=f"{attn}.qkv_proj",
+            parallelism=Parallelism.QKV,
+            shards=(
+                ShardSpec(f"{attn}.q_proj", "q", dims.q_size),
+                ShardSpec(f"{attn}.k_proj", "k", dims.kv_size),
+                ShardSpec(f"{attn}.v_proj", "v", dims.kv_size),
+            ),
+            input_size=h,
+            has_bias=dims.qkv_bias,
+        ),
+        LinearSpec(
+            prefix=f"{attn}.o_proj",
+            parallelism=Parallelism.ROW,
+            shards=(ShardSpec(f"{attn}.o_proj", "0", h),),
+            input_size=dims.q_size,
+            has_bias=False,
+        ),
+        LinearSpec(
+            prefix=f"{mlp}.gate_up_proj",
+            parallelism=Parallelism.MERGED_COLUMN,
+            shards=(
+                ShardSpec(f"{mlp}.gate_proj", "0", inter),
+                ShardSpec(f"{mlp}.up_proj", "1", inter),
+            ),
+            input_size=h,
+            has_bias=dims.mlp_bias,
+        ),
+        LinearSpec(
+            prefix=f"{mlp}.down_proj",
+            parallelism=Parallelism.ROW,
+            shards=(ShardSpec(f"{mlp}.down_proj", "0", h),),
+            input_size=inter,
+            has_bias=dims.mlp_bias,
+        ),
+    ]
+
+
 def linear_specs(dims: ModelDims) -> list[LinearSpec]:
     """Every linear layer of the decoder stack, in the order vLLM creates them."""
-    specs: list[LinearSpec] = []
-    h, inter = dims.hidden_size, dims.intermediate_size
-    for i in range(dims.num_hidden_layers):
-        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        specs.append(
-            LinearSpec(
-                prefix=f"{attn}.qkv_proj",
-                parallelism=Parallelism.QKV,
-                shards=(
-                    ShardSpec(f"{attn}.q_proj", "q", dims.q_size),
-                    ShardSpec(f"{attn}.k_proj", "k", dims.kv_size),
-                    ShardSpec(f"{attn}.v_proj", "v", dims.kv_size),
-                ),
-                input_size=h,
-                has_bias=dims.qkv_bias,
-            )
-        )
-        specs.append(
-            LinearSpec(
-                prefix=f"{attn}.o_proj",
-                parallelism=Parallelism.ROW,
-                shards=(ShardSpec(f"{attn}.o_proj", "0", h),),
-                input_size=dims.q_size,
-                has_bias=False,
-            )
-        )
-        specs.append(
-            LinearSpec(
-                prefix=f"{mlp}.gate_up_proj",
-                parallelism=Parallelism.MERGED_COLUMN,
-                shards=(
-                    ShardSpec(f"{mlp}.gate_proj", "0", inter),
-                    ShardSpec(f"{mlp}.up_proj", "1", inter),
-                ),
-                input_size=h,
-                has_bias=dims.mlp_bias,
-            )
-        )
-        specs.append(
-            LinearSpec(
-                prefix=f"{mlp}.down_proj",
-                parallelism=Parallelism.ROW,
-                shards=(ShardSpec(f"{mlp}.down_proj", "0", h),),
-                input_size=inter,
-                has_bias=dims.mlp_bias,
-            )
-        )
-    return specs
+    return [spec for i in range(dims.num_hidden_layers) for spec in layer_linear_specs(dims, i)]
+
+
+def layer_weight_names(dims: ModelDims, i: int) -> list[str]:
+    """The checkpoint's linear weights decoder layer ``i`` is made of."""
+    return [
+        f"{shard.checkpoint_prefix}.weight"
+        for spec in layer_linear_specs(dims, i)
+        for shard in spec.shards
+    ]
 
 
 def kv_scale_names(dims: ModelDims) -> dict[str, tuple[str, ...]]:
@@ -216,14 +222,20 @@ _LAYER = re.compile(r"^model\.layers\.(\d{1,9})\.")
 
 
 def check_dims(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
-    """Refuse a config whose sizes no tensor in the headers has, before anything is planned.
+    """Refuse a config whose layers or sizes the headers do not hold, before anything is
+    planned (:func:`check_layers`, then :func:`check_sizes`)."""
+    check_layers(dims, shapes, source)
+    check_sizes(dims, shapes, source)
 
-    A config drives how much is planned (``num_hidden_layers`` layers of specs): a lying one
-    must cost milliseconds, not a plan per promised layer. Each size must show in at least one
-    tensor that defines it; a single tensor of the wrong shape is left for the planner to name.
-    """
-    layers = {int(m.group(1)) for name in shapes if (m := _LAYER.match(name))}
-    found = max(layers) + 1 if layers else 0
+
+def check_layers(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
+    """A config drives how much is planned (``num_hidden_layers`` layers of specs): a lying one
+    must cost what the headers hold, not a plan per promised layer. So, before any spec is
+    built: the layers the headers name must be the layers promised, every one of them, each
+    with at least as many tensors as its linear weights, and then, layer by layer (stopping at
+    the first that lacks one), those weights by name."""
+    per_layer = Counter(int(m.group(1)) for name in shapes if (m := _LAYER.match(name)))
+    found = max(per_layer) + 1 if per_layer else 0
     if dims.num_hidden_layers != found:
         raise InvalidConfigError(
             f"config.json says num_hidden_layers is {dims.num_hidden_layers}, the safetensors "
@@ -232,23 +244,29 @@ def check_dims(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: s
             field="num_hidden_layers",
         )
     # Every promised layer must be there with its weights, or a single tensor named for the
-    # last layer would have a lying config planned in full. Both loops stop at the first gap,
-    # so they cost no more than the headers hold.
-    if len(layers) != found:
-        gap = next(i for i in range(found) if i not in layers)
+    # last layer would have a lying config planned in full. Each loop stops at the first
+    # layer that falls short, so none costs more than the headers hold.
+    if len(per_layer) != found:
+        gap = next(i for i in range(found) if i not in per_layer)
         raise InvalidConfigError(
             f"config.json says num_hidden_layers is {dims.num_hidden_layers}, but the safetensors "
-            f"headers hold no tensor of layer {gap} (they name {len(layers)} layers)",
+            f"headers hold no tensor of layer {gap} (they name {len(per_layer)} layers)",
             file=source,
             field="num_hidden_layers",
         )
-    for spec in linear_specs(dims):  # dims.num_hidden_layers == found here
-        for shard in spec.shards:
-            name = f"{shard.checkpoint_prefix}.weight"
+    needed = len(layer_weight_names(dims, 0))
+    short = next((i for i in range(found) if per_layer[i] < needed), None)
+    for i in range(found) if short is None else (short,):
+        for name in layer_weight_names(dims, i):
             if name not in shapes:
                 raise MissingTensorError(
                     "a linear layer's weight is not in the checkpoint", tensor=name
                 )
+
+
+def check_sizes(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
+    """Each size the config gives must show in at least one tensor that defines it; a single
+    tensor of the wrong shape is left for the planner to name."""
     attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
 
     def dims_of(*names_axes: tuple[str, int]) -> set[int]:

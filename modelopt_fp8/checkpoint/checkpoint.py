@@ -73,8 +73,15 @@ class Checkpoint:
     _read_files: dict[str, ReadFile] = field(repr=False)  # configs and index, as read
 
     @classmethod
-    def open(cls, path: str | Path, policy: PathPolicy | None = None) -> Checkpoint:
-        """Open and validate; ``policy`` limits where files may be read from (default: any)."""
+    def open(
+        cls,
+        path: str | Path,
+        policy: PathPolicy | None = None,
+        claim_headers: Callable[[int], None] | None = None,
+    ) -> Checkpoint:
+        """Open and validate; ``policy`` limits where files may be read from (default: any);
+        ``claim_headers`` is told how many bytes of safetensors headers will be parsed, before
+        any is (it may wait for room, or refuse)."""
         directory = CheckpointDir.open(path, policy)
         files: list[OpenedFile] = []
         try:
@@ -91,7 +98,7 @@ class Checkpoint:
             quant = quant_config_from(directory.path, config, hf_data)
             dims = read_dims(config, source)
             files, weight_map = weight_files(directory)
-            tensors, headers = index_tensors(files, weight_map)
+            tensors, headers = index_tensors(files, weight_map, claim_headers)
             check_dims(dims, {name: info.shape for name, info in tensors.items()}, source)
             read_files = directory.read_files()
         except BaseException:

@@ -12,6 +12,7 @@ checkpoint fingerprint.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,12 @@ from modelopt_fp8.checkpoint.opened import CheckpointDir, OpenedFile, parse_json
 from protocol.errors import CorruptFileError, InvalidConfigError, MissingTensorError
 
 INDEX_FILE = "model.safetensors.index.json"
-# Far larger than any real header (a 70B model's is ~100 KB, a dense model lists a few thousand
-# tensors): they bound what a lying header can cost to parse and hold, per file and in all.
+# Far larger than any real checkpoint (a 70B model's headers are ~100 KB in all, a dense model
+# lists a few thousand tensors in a few dozen files): they bound what lying headers can cost to
+# open, parse and hold, in all files together.
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_TENSORS = 65_536
+MAX_FILES = 1024
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
@@ -66,8 +69,8 @@ class TensorInfo:
         return self.numel * self.dtype.itemsize
 
 
-def read_header(file: OpenedFile) -> bytes:
-    """The JSON header bytes exactly as stored (for fingerprints), bounded in size."""
+def header_length(file: OpenedFile) -> int:
+    """The length of the file's JSON header, as its first 8 bytes say, bounded in size."""
     if file.size < 8:
         raise CorruptFileError("file shorter than the 8-byte header length", file=str(file.path))
     (length,) = struct.unpack("<Q", file.pread(0, 8))
@@ -77,7 +80,12 @@ def read_header(file: OpenedFile) -> bytes:
             f"{MAX_HEADER_BYTES}-byte limit",
             file=str(file.path),
         )
-    return file.pread(8, length)
+    return int(length)
+
+
+def read_header(file: OpenedFile, length: int | None = None) -> bytes:
+    """The JSON header bytes exactly as stored (for fingerprints), bounded in size."""
+    return file.pread(8, header_length(file) if length is None else length)
 
 
 def _shape(raw: Any) -> tuple[int, ...] | None:
@@ -204,6 +212,11 @@ def weight_files(directory: CheckpointDir) -> tuple[list[OpenedFile], dict[str, 
             )
         weight_map = raw_map
         names = sorted(set(weight_map.values()))
+        if len(names) > MAX_FILES:
+            raise InvalidConfigError(
+                f"{INDEX_FILE} names {len(names)} files (at most {MAX_FILES})",
+                file=str(index_file.path),
+            )
         for name in names:
             if not name or "/" in name or "\0" in name or name in (".", ".."):
                 raise InvalidConfigError(
@@ -215,6 +228,11 @@ def weight_files(directory: CheckpointDir) -> tuple[list[OpenedFile], dict[str, 
         if not names:
             raise MissingTensorError(
                 "no .safetensors files in the checkpoint", file=str(directory.path)
+            )
+        if len(names) > MAX_FILES:
+            raise InvalidConfigError(
+                f"the checkpoint holds {len(names)} .safetensors files (at most {MAX_FILES})",
+                file=str(directory.path),
             )
     files: list[OpenedFile] = []
     try:
@@ -234,13 +252,26 @@ def weight_files(directory: CheckpointDir) -> tuple[list[OpenedFile], dict[str, 
 
 
 def index_tensors(
-    files: list[OpenedFile], weight_map: dict[str, str] | None
+    files: list[OpenedFile],
+    weight_map: dict[str, str] | None,
+    claim: Callable[[int], None] | None = None,
 ) -> tuple[dict[str, TensorInfo], dict[str, bytes]]:
-    """Every tensor across the files (validated), and each file's raw header."""
+    """Every tensor across the files (validated), and each file's raw header. The headers'
+    lengths are read first and bounded together; ``claim`` is told their sum before a byte of
+    them is read (what parsing them will cost grows with it)."""
+    lengths = [header_length(file) for file in files]
+    if sum(lengths) > MAX_HEADER_BYTES:
+        raise CorruptFileError(
+            f"the headers of the {len(files)} files hold {sum(lengths)} bytes in all (at most "
+            f"{MAX_HEADER_BYTES})",
+            file=str(files[0].path.parent),
+        )
+    if claim is not None:
+        claim(sum(lengths))
     tensors: dict[str, TensorInfo] = {}
     headers: dict[str, bytes] = {}
-    for file in files:
-        raw = read_header(file)
+    for file, length in zip(files, lengths, strict=True):
+        raw = read_header(file, length)
         infos = parse_header(file, raw, MAX_TENSORS - len(tensors))
         headers[file.name] = raw
         for name, info in infos.items():

@@ -91,6 +91,7 @@ from protocol.errors.parking import (
     TooManyUserParkedError,
 )
 from protocol.errors.requests import (
+    ChunksTooSmallError,
     HeadersTooLargeError,
     InvalidRequestError,
     MalformedRequestError,
@@ -100,6 +101,7 @@ from protocol.errors.requests import (
     PayloadTooLargeError,
     RequestTimeoutError,
     TooManyConnectionsError,
+    TooManyOpenRequestsError,
     UnauthorizedError,
 )
 
@@ -113,6 +115,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointUnreadableError",
+    "ChunksTooSmallError",
     "ClientNotVisibleError",
     "ClientNotYoursError",
     "ConflictError",
@@ -166,6 +169,7 @@ __all__ = [
     "TooManyLeasesError",
     "TooManyLoadsError",
     "TooManyModelsError",
+    "TooManyOpenRequestsError",
     "TooManyParkedError",
     "TooManyUserLeasesError",
     "TooManyUserParkedError",

@@ -90,6 +90,9 @@ class LoadRequest:
     # and again with the full-tier digest once every byte was read.
     opened: Callable[[CheckpointIdentity], None]
     cuda_handles: str = "fd"  # GPU arenas: shareable allocations (fd) or legacy IPC (ipc)
+    # Told the bytes of safetensors headers the load will parse, before it reads them: may wait
+    # for room beside the other loads (:mod:`service.registry.header_budget`), or cancel.
+    claim_headers: Callable[[int], None] = lambda nbytes: None
 
     @classmethod
     def unmanaged(
@@ -197,7 +200,7 @@ def _manifest(
 def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
     """Load every rank of a model; raises a typed error and holds nothing on failure."""
     arenas: list[Arena] = []
-    ckpt = Checkpoint.open(req.path, req.policy)
+    ckpt = Checkpoint.open(req.path, req.policy, req.claim_headers)
     identity = CheckpointIdentity(
         path=str(ckpt.path),
         fingerprint=ckpt.fingerprint,
