@@ -18,8 +18,10 @@ import argparse
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -257,7 +259,10 @@ def own_daemon_case(
     *flags: str,
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """``case`` against a daemon of its own serving qwen with ``flags`` and ``env``."""
+    """``case`` against a daemon of its own serving qwen with ``flags`` and ``env``, its run
+    directory where every user can reach it (its own mode decides who enters)."""
+    reachable = Path(tempfile.mkdtemp(prefix="wc-hostile-run-"))
+    reachable.chmod(0o755)
     daemon = start_daemon(
         work / name.split(maxsplit=1)[0],
         [model],
@@ -267,11 +272,13 @@ def own_daemon_case(
         env=env,
         timeout_s=600,
         tree=tree,
+        run_dir=reachable / "run",
     )
     try:
         return _run_case(name, case, Target(daemon, model, tree is None, tree), work)
     finally:
         daemon.stop()
+        shutil.rmtree(reachable, ignore_errors=True)
 
 
 # Cases that need a daemon of their own: (name, case, flags, environment).
@@ -285,7 +292,7 @@ OWN_DAEMON: list[tuple[str, Case, tuple[str, ...], dict[str, str]]] = [
     (
         "handle socket: 70 connections trickling",
         hostile_handles.trickled,
-        ("--shm-group", "nogroup"),
+        ("--shm-group", str(NOBODY)),
         {},
     ),
 ]

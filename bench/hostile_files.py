@@ -19,7 +19,7 @@ import httpx
 from bench.hostile_tools import Result, Target, linked_copy, replace_file
 from modelopt_fp8.checkpoint import checkpoint_fingerprint
 from service.demo import write_demo_checkpoint
-from tests.checkpoint_tools import rewrite_header
+from tests.checkpoint_tools import many_layers, rewrite_header
 
 
 def _settled(client: httpx.Client, model_id: str, timeout_s: float = 600) -> dict[str, Any]:
@@ -266,30 +266,11 @@ def symlink_race(target: Target, work: Path) -> Result:
     return 40, held, f"never the outside file ({how})"
 
 
-def write_many_layers(path: Path, config_from: Path, layers: int) -> Path:
-    """A checkpoint of ``layers`` layers holding one zero-size tensor each (config.json says
-    so), about 90 bytes of header per layer."""
-    path.mkdir(parents=True, exist_ok=True)
-    config = json.loads((config_from / "config.json").read_text())
-    config["num_hidden_layers"] = layers
-    (path / "config.json").write_text(json.dumps(config))
-    shutil.copyfile(config_from / "hf_quant_config.json", path / "hf_quant_config.json")
-    entries = b",".join(
-        b'"model.layers.%d.input_layernorm.weight":{"dtype":"BF16","shape":[0],'
-        b'"data_offsets":[0,0]}' % i
-        for i in range(layers)
-    )
-    header = b"{" + entries + b"}"
-    header += b" " * (-len(header) % 8)
-    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
-    return path
-
-
 def many_layers_storm(target: Target, work: Path) -> Result:
     """A 5.4 MB checkpoint of 60,000 layers, one zero-size tensor each, loaded four at once
     and again as each fails, for 30 s (one load took 3.6 s and 169 MB; the storm took the
     daemon from 260 to 956 MB and kept 700-880 MB)."""
-    path = write_many_layers(work / "many-layers", target.model, 60_000)
+    path = many_layers(work / "many-layers", target.model, 60_000)
     deadline = time.monotonic() + 30
     took: list[float] = []
     codes: dict[str, int] = {}

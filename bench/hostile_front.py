@@ -164,7 +164,7 @@ def tiny_chunks(target: Target, work: Path) -> Result:
     """One allowed connection sends a chunked body in chunks of one byte, again on a new
     connection each time it is closed, for 8 s (the probe's kept a core busy: /health p50
     593 ms, max 1.4 s)."""
-    seen = attackers.tiny_chunks(target.port, 1, 8.0)
+    seen = attackers.chunked_posts(target.port, 1, 8.0)
     return _refused_chunks(seen)
 
 
@@ -172,13 +172,13 @@ def tiny_chunks_refused_user(target: Target, work: Path) -> Result:
     """16 connections of a user the daemon refuses over TCP (403 ``peer_not_allowed``) send
     chunks of one byte, each again on a new connection once closed, for 8 s (four such held
     /health up to 5.0 s)."""
-    seen = run_attacker(NOBODY, "tiny_chunks", port=target.port, connections=16, seconds=8.0)
+    seen = run_attacker(NOBODY, "chunked_posts", port=target.port, connections=16, seconds=8.0)
     return _refused_chunks(seen)
 
 
 def tiny_chunks_without_token(target: Target, work: Path) -> Result:
     """The same 16 connections without the token a daemon requires (401)."""
-    seen = attackers.tiny_chunks(target.port, 16, 8.0)
+    seen = attackers.chunked_posts(target.port, 16, 8.0)
     return _refused_chunks(seen)
 
 

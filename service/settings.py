@@ -31,7 +31,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from protocol.errors import UnauthorizedError
-from protocol.tokens import choose_token, clean_token, exposed_token_file, read_token_file
+from protocol.tokens import choose_token, clean_token, read_token_file, untrusted_token_file
 from protocol.version import DEFAULT_PORT
 from service.run_dir import default_run_dir
 from service.setting import ENV_PREFIX, setting
@@ -335,9 +335,9 @@ class DaemonSettings(BaseSettings):
                 self.token = SecretStr(read_token_file(self.token_file))
             except UnauthorizedError as exc:
                 raise ValueError(exc.detail) from exc
-            exposed = exposed_token_file(self.token_file)
-            if exposed is not None:
-                raise ValueError(exposed)
+            untrusted = untrusted_token_file(self.token_file)
+            if untrusted is not None:
+                raise ValueError(untrusted)
         if self.token is not None:
             try:
                 self.token = SecretStr(clean_token(self.token.get_secret_value()))

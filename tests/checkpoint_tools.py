@@ -61,3 +61,22 @@ def hub_snapshot(
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(revision)
     return snapshot
+
+
+def many_layers(path: Path, config_from: Path, layers: int) -> Path:
+    """A checkpoint of ``layers`` layers holding one zero-size tensor each (config.json says
+    so), about 90 bytes of header per layer."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = json.loads((config_from / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (path / "config.json").write_text(json.dumps(config))
+    shutil.copyfile(config_from / "hf_quant_config.json", path / "hf_quant_config.json")
+    entries = b",".join(
+        b'"model.layers.%d.input_layernorm.weight":{"dtype":"BF16","shape":[0],'
+        b'"data_offsets":[0,0]}' % i
+        for i in range(layers)
+    )
+    header = b"{" + entries + b"}"
+    header += b" " * (-len(header) % 8)
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    return path

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import enum
 import re
+from array import array
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,6 +220,53 @@ def kv_scale_names(dims: ModelDims) -> dict[str, tuple[str, ...]]:
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d{1,9})\.")
+
+
+_NAMED_LAYER = re.compile(rb'"model\.layers\.(\d{1,9})\.')
+_ENTRY = b'"data_offsets"'  # once in every tensor's entry
+
+
+def check_raw_headers(dims: ModelDims, headers: Sequence[bytes], source: str) -> None:
+    """What the config promises, against the safetensors headers as bytes, before an object is
+    built per tensor (parsing tens of thousands of entries, several loads at once, leaves the
+    daemon's heap scattered long after they are freed): at least as many tensors as the
+    promised layers' linear weights, no layer past the promised ones, and each layer named by
+    at least as many tensors as its linear weights. The bytes can only overcount (a metadata
+    value may repeat a name), so what passes here is checked again by name once parsed
+    (:func:`check_layers`); headers that list no tensor at all are left for the parse to
+    call corrupt."""
+    needed = len(layer_weight_names(dims, 0))
+    layers = dims.num_hidden_layers
+    entries = sum(raw.count(_ENTRY) for raw in headers)
+    if not entries:
+        return  # no tensor listing at all: the parse says what is wrong with the headers
+    if layers * needed > entries:
+        raise InvalidConfigError(
+            f"config.json says num_hidden_layers is {layers}: {layers * needed} linear weights, "
+            f"but the safetensors headers hold at most {entries} tensors",
+            file=source,
+            field="num_hidden_layers",
+        )
+    named = array("L", bytes(layers * array("L").itemsize))  # tensors named per layer
+    for raw in headers:
+        for match in _NAMED_LAYER.finditer(raw):
+            i = int(match.group(1))
+            if i >= layers:
+                raise InvalidConfigError(
+                    f"config.json says num_hidden_layers is {layers}, the safetensors headers "
+                    f"name layer {i}",
+                    file=source,
+                    field="num_hidden_layers",
+                )
+            named[i] += 1
+    short = next((i for i, n in enumerate(named) if n < needed), None)
+    if short is not None:
+        raise InvalidConfigError(
+            f"the safetensors headers name {named[short]} tensors of layer {short}, fewer than "
+            f"its {needed} linear weights (config.json says num_hidden_layers is {layers})",
+            file=source,
+            field="num_hidden_layers",
+        )
 
 
 def check_dims(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:

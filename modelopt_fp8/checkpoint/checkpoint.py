@@ -20,7 +20,12 @@ from typing import Any
 
 import torch
 
-from modelopt_fp8.checkpoint.architecture import ModelDims, check_dims, read_dims
+from modelopt_fp8.checkpoint.architecture import (
+    ModelDims,
+    check_dims,
+    check_raw_headers,
+    read_dims,
+)
 from modelopt_fp8.checkpoint.fingerprint import checkpoint_digests, full_digest, identity_files
 from modelopt_fp8.checkpoint.opened import (
     CheckpointDir,
@@ -98,7 +103,12 @@ class Checkpoint:
             quant = quant_config_from(directory.path, config, hf_data)
             dims = read_dims(config, source)
             files, weight_map = weight_files(directory)
-            tensors, headers = index_tensors(files, weight_map, claim_headers)
+            tensors, headers = index_tensors(
+                files,
+                weight_map,
+                claim_headers,
+                lambda raws: check_raw_headers(dims, raws, source),
+            )
             check_dims(dims, {name: info.shape for name, info in tensors.items()}, source)
             read_files = directory.read_files()
         except BaseException:

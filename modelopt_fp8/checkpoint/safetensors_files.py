@@ -47,9 +47,10 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorInfo:
-    """Where a tensor lives and what its header says."""
+    """Where a tensor lives and what its header says (slotted: a checkpoint may list tens of
+    thousands, and each costs a fraction of a plain object)."""
 
     name: str
     file: Path
@@ -104,7 +105,6 @@ def parse_header(
     neither holds the GIL nor memory past the bound."""
     where = str(file.path)
     data_start = 8 + len(raw)
-    spans: list[tuple[int, int, str]] = []
     infos: dict[str, TensorInfo] = {}
     seen_metadata = False
     refused = None
@@ -116,9 +116,7 @@ def parse_header(
                 continue
             if name in infos or name == "__metadata__":
                 raise CorruptFileError("header names this tensor twice", file=where, tensor=name)
-            info = _entry_info(file, name, entry, data_start)
-            spans.append((info.offset - data_start, info.offset - data_start + info.nbytes, name))
-            infos[name] = info
+            infos[name] = _entry_info(file, name, entry, data_start)
             if len(infos) > max_tensors:
                 raise HeaderJsonError(f"header lists more than {max_tensors} tensors")
     except HeaderJsonError as exc:
@@ -126,9 +124,9 @@ def parse_header(
     if refused is not None:
         # Raised outside the handler: the error a model keeps must not chain to a traceback
         # holding everything parsed so far.
-        del infos, spans
+        del infos
         raise CorruptFileError(refused, file=where)
-    _check_tiling(spans, data_start, file)
+    _check_tiling(infos, data_start, file)
     return infos
 
 
@@ -172,24 +170,29 @@ def _entry_info(file: OpenedFile, name: str, entry: Any, data_start: int) -> Ten
     return info
 
 
-def _check_tiling(spans: list[tuple[int, int, str]], data_start: int, file: OpenedFile) -> None:
+def _check_tiling(infos: dict[str, TensorInfo], data_start: int, file: OpenedFile) -> None:
     """The tensors' data must cover the file after the header exactly, without overlap."""
     where = str(file.path)
-    end = 0
-    for start, stop, name in sorted(spans):
-        if start != end:
+    end = data_start
+    for info in sorted(infos.values(), key=_by_offset_then_size):
+        if info.offset != end:
             raise CorruptFileError(
-                f"data offsets do not tile the data: {name} starts at {start}, expected {end}",
+                f"data offsets do not tile the data: {info.name} starts at "
+                f"{info.offset - data_start}, expected {end - data_start}",
                 file=where,
-                tensor=name,
+                tensor=info.name,
             )
-        end = stop
-    if data_start + end != file.size:
+        end += info.nbytes
+    if end != file.size:
         raise CorruptFileError(
-            f"data offsets cover {end} bytes but the file holds {file.size - data_start} "
-            "after the header (truncated or padded)",
+            f"data offsets cover {end - data_start} bytes but the file holds "
+            f"{file.size - data_start} after the header (truncated or padded)",
             file=where,
         )
+
+
+def _by_offset_then_size(info: TensorInfo) -> tuple[int, int]:
+    return info.offset, info.nbytes
 
 
 def weight_files(directory: CheckpointDir) -> tuple[list[OpenedFile], dict[str, str] | None]:
@@ -255,10 +258,12 @@ def index_tensors(
     files: list[OpenedFile],
     weight_map: dict[str, str] | None,
     claim: Callable[[int], None] | None = None,
+    before_parse: Callable[[list[bytes]], None] | None = None,
 ) -> tuple[dict[str, TensorInfo], dict[str, bytes]]:
     """Every tensor across the files (validated), and each file's raw header. The headers'
     lengths are read first and bounded together; ``claim`` is told their sum before a byte of
-    them is read (what parsing them will cost grows with it)."""
+    them is read (what parsing them will cost grows with it), and ``before_parse`` sees them
+    raw before an object is built per tensor (it may refuse them)."""
     lengths = [header_length(file) for file in files]
     if sum(lengths) > MAX_HEADER_BYTES:
         raise CorruptFileError(
@@ -268,10 +273,12 @@ def index_tensors(
         )
     if claim is not None:
         claim(sum(lengths))
+    raws = [read_header(file, length) for file, length in zip(files, lengths, strict=True)]
+    if before_parse is not None:
+        before_parse(raws)
     tensors: dict[str, TensorInfo] = {}
     headers: dict[str, bytes] = {}
-    for file, length in zip(files, lengths, strict=True):
-        raw = read_header(file, length)
+    for file, raw in zip(files, raws, strict=True):
         infos = parse_header(file, raw, MAX_TENSORS - len(tensors))
         headers[file.name] = raw
         for name, info in infos.items():

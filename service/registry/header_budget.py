@@ -2,11 +2,12 @@
 
 What opening and planning a checkpoint costs grows with its safetensors headers: the parsed
 entries, the tensor index and the plan take about eight times the headers' bytes while a load
-runs (a 5.4 MB header of 60,000 entries, 40 MB). ``--max-concurrent-loads`` bounds how many
-loads run; this bounds what they hold together: the loads running at once may have at most
-``LOADING_HEADER_BYTES`` of headers (two of the largest a checkpoint may have, any number of
-real ones), and a load whose headers do not fit waits, before it reads them, until others end
-(an unload stops the wait).
+runs (a 5.4 MB header of 60,000 entries, 40 MB), and what several such loads at once leave
+scattered in the heap is not all given back once they end. ``--max-concurrent-loads`` bounds
+how many loads run; this bounds what they hold together: the loads running at once may have at
+most ``LOADING_HEADER_BYTES`` of headers (as much as one checkpoint may have; real ones, about
+100 KB, run side by side), and a load whose headers do not fit waits, before it reads them,
+until others end (an unload stops the wait).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 
 from modelopt_fp8.checkpoint.safetensors_files import MAX_HEADER_BYTES
 
-LOADING_HEADER_BYTES = 2 * MAX_HEADER_BYTES
+LOADING_HEADER_BYTES = MAX_HEADER_BYTES
 _CHECK_CANCEL_S = 0.2  # how often a waiting load looks whether it was unloaded
 
 
@@ -23,6 +24,7 @@ class HeaderBudget:
     def __init__(self, nbytes: int = LOADING_HEADER_BYTES) -> None:
         self.nbytes = nbytes
         self._held = 0
+        self.waiting = 0  # loads waiting for room
         self._room = threading.Condition()
 
     def claim(self, nbytes: int, cancelled: threading.Event) -> bool:
@@ -30,10 +32,14 @@ class HeaderBudget:
         (holding nothing) if ``cancelled`` was set first."""
         nbytes = min(nbytes, self.nbytes)
         with self._room:
-            while self._held + nbytes > self.nbytes:
-                if cancelled.is_set():
-                    return False
-                self._room.wait(_CHECK_CANCEL_S)
+            self.waiting += 1
+            try:
+                while self._held + nbytes > self.nbytes:
+                    if cancelled.is_set():
+                        return False
+                    self._room.wait(_CHECK_CANCEL_S)
+            finally:
+                self.waiting -= 1
             self._held += nbytes
         return True
 

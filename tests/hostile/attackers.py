@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 TINY_CHUNK = b"1\r\n \r\n"  # one byte of body, five of framing
+PAID_CHUNK = b"400\r\n" + b" " * 1024 + b"\r\n"  # 1 KiB of body: chunks an honest client sends
 CHUNKED_POST = (
     b"POST /v1/leases HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
     b"transfer-encoding: chunked\r\n"
@@ -40,17 +41,22 @@ def _read_answer(s: socket.socket) -> bytes:
     return data
 
 
-def tiny_chunks(
-    port: int, connections: int, seconds: float, headers: bytes = b""
+def chunked_posts(
+    port: int,
+    connections: int,
+    seconds: float,
+    chunk: bytes = TINY_CHUNK,
+    headers: bytes = b"",
 ) -> dict[str, Any]:
-    """``connections`` threads, each sending a chunked ``POST /v1/leases`` whose body comes in
-    chunks of one byte (1,000 chunks per write) until the daemon closes the connection, then
-    again on a new one, for ``seconds``. ``headers``: extra header lines (a token, say)."""
+    """``connections`` threads, each sending a chunked ``POST /v1/leases`` whose body is
+    ``chunk`` (one byte of body by default) again and again, about 6 KB per write, until the
+    daemon closes the connection, then again on a new one, for ``seconds``. ``headers``: extra
+    header lines (a token, say)."""
     deadline = time.monotonic() + seconds
     statuses: Counter[str] = Counter()
     sent = [0]
     lock = threading.Lock()
-    burst = TINY_CHUNK * 1000
+    burst = chunk * max(1, 6000 // len(chunk))
 
     def attack() -> None:
         while time.monotonic() < deadline:
@@ -186,10 +192,11 @@ def main() -> None:
     name, args = sys.argv[1], json.loads(sys.argv[2])
     if name == "connection_flood":
         args["kinds"] = {k: (v[0].encode("latin-1"), v[1]) for k, v in args["kinds"].items()}
-    if "headers" in args:
-        args["headers"] = args["headers"].encode("latin-1")
+    for name_of_bytes in ("headers", "chunk"):
+        if name_of_bytes in args:
+            args[name_of_bytes] = args[name_of_bytes].encode("latin-1")
     attacks: dict[str, Callable[..., dict[str, Any]]] = {
-        "tiny_chunks": tiny_chunks,
+        "chunked_posts": chunked_posts,
         "connection_flood": connection_flood,
         "trickle": trickle,
     }

@@ -1,7 +1,8 @@
 """Small files that promise a lot: a config whose layer count one empty tensor seems to back,
+layers by the ten thousand of one empty tensor each, loaded several at once, again and again,
 and safetensors headers of a million empty entries. Each is refused with its code at the cost of
-what the headers hold (not of what they promise), ``/health`` answers throughout, and the daemon's
-RSS comes back within 50 MB once the case ends."""
+what the headers hold (not of what they promise), before any plan is built, ``/health`` answers
+throughout, and the daemon's RSS comes back within 50 MB once the case ends."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from pathlib import Path
 import torch
 
 from modelopt_fp8.checkpoint.safetensors_files import MAX_HEADER_BYTES, MAX_TENSORS
-from tests.checkpoint_tools import rewrite_json, rewrite_tensors
-from tests.hostile.conftest import Hostile
+from tests.checkpoint_tools import many_layers, rewrite_json, rewrite_tensors
+from tests.hostile.conftest import LIMITS, Hostile
 from tests.hostile.memory import RssBack
 from tests.hostile.probe import HealthProbe
 
@@ -39,7 +40,8 @@ def _load_and_settle(hostile: Hostile, path: Path, model_id: str) -> dict:
 
 def test_one_empty_tensor_does_not_back_a_lying_layer_count(hostile: Hostile) -> None:
     """num_hidden_layers 400,000 and one zero-size tensor named for layer 399,999 (130 KB: the
-    probe's took 22 s of CPU and kept 1 GB): refused on opening, before any plan."""
+    probe's took 22 s of CPU and kept 1 GB): refused on opening, from the headers' bytes,
+    before a tensor's entry is parsed."""
     path = hostile.checkpoint("layer-liar")
     rewrite_json(path / "config.json", lambda c: c.update(num_hidden_layers=400_000))
     rewrite_tensors(
@@ -49,13 +51,13 @@ def test_one_empty_tensor_does_not_back_a_lying_layer_count(hostile: Hostile) ->
         info = _load_and_settle(hostile, path, "layer-liar")
     assert info["state"] == "failed"
     assert info["error"]["code"] == "invalid_config"
-    assert "no tensor of layer 2" in info["error"]["detail"]
+    assert "2800000 linear weights" in info["error"]["detail"]
     probe.assert_answered()
 
 
 def test_every_layer_needs_its_weights(hostile: Hostile) -> None:
-    """Layers that exist only by a stray tensor each are refused at the first one lacking its
-    linear weights, however many the config promises."""
+    """Layers that exist only by a stray tensor each, however many the config promises: the
+    headers cannot hold their linear weights, which their bytes show before they are parsed."""
     path = hostile.checkpoint("hollow-layers")
     layers = 5000
     rewrite_json(path / "config.json", lambda c: c.update(num_hidden_layers=layers))
@@ -67,8 +69,38 @@ def test_every_layer_needs_its_weights(hostile: Hostile) -> None:
     )
     with RssBack(hostile.daemon.process.pid), HealthProbe(hostile.url) as probe:
         info = _load_and_settle(hostile, path, "hollow-layers")
-    assert info["error"]["code"] == "missing_tensor"
-    assert info["error"]["tensor"] == "model.layers.2.self_attn.q_proj.weight"
+    assert info["error"]["code"] == "invalid_config"
+    assert "35000 linear weights" in info["error"]["detail"]
+    probe.assert_answered()
+
+
+def test_layers_of_one_empty_tensor_each_are_refused_before_any_plan(hostile: Hostile) -> None:
+    """60,000 layers in 5.4 MB, one zero-size tensor each (one load took 3.6 s and 169 MB: 240,000
+    linear specs were built before the first weight was looked for): the layers' linear weights
+    outnumber the tensors the headers hold, which their bytes show before any is parsed."""
+    path = many_layers(hostile.root / "many-layers", hostile.tiny, 60_000)
+    with RssBack(hostile.daemon.process.pid), HealthProbe(hostile.url) as probe:
+        info = _load_and_settle(hostile, path, "many-layers")
+    assert info["error"]["code"] == "invalid_config"
+    assert "at most 60000 tensors" in info["error"]["detail"]
+    probe.assert_answered()
+
+
+def test_a_storm_of_such_loads_gives_its_memory_back(hostile: Hostile) -> None:
+    """The same checkpoint loaded as many at once as the daemon runs, 12 times (four at once for
+    30 s took the daemon from 260 to 956 MB and kept 700-880 MB: each failed model kept its
+    error's traceback, and with it every frame of the load): RSS comes back within 50 MB."""
+    path = many_layers(hostile.root / "many-layers-storm", hostile.tiny, 60_000)
+    at_once = int(LIMITS["WEIGHT_CACHE_MAX_CONCURRENT_LOADS"])
+    with RssBack(hostile.daemon.process.pid), HealthProbe(hostile.url) as probe:
+        for round_ in range(12 // at_once):
+            ids = [f"storm-{round_}-{i}" for i in range(at_once)]
+            for model_id in ids:
+                assert hostile.load(path, model_id).status_code == 202
+            for model_id in ids:
+                assert hostile.settled(model_id, timeout_s=120)["state"] == "failed"
+            for model_id in ids:
+                hostile.unload(model_id)
     probe.assert_answered()
 
 

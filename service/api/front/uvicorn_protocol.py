@@ -322,8 +322,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing() or self._dropped is not None:
             return  # refused earlier in this piece: nothing more reaches the daemon
         size = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers)
-        if size > self.front.limits.max_header_bytes:
-            self._refuse(self.framing.too_large())
+        refusal = self.framing.passed()
+        if refusal is None and size > self.front.limits.max_header_bytes:
+            refusal = self.framing.too_large()
+        if refusal is not None:
+            self._refuse(refusal)
             return
         in_hand = len(self.pipeline) + (self.cycle is not None and not self.cycle.response_complete)
         if in_hand >= MAX_PIPELINED:
@@ -381,7 +384,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self.request_deadline.disarm()
+        refusal = self.framing.passed()  # its trailers may have passed a bound in this piece
         self.framing.begin()
+        if refusal is not None:
+            self._refuse(refusal)
         if self.transport.is_closing() or self._current is None or self._dropped is not None:
             return
         super().on_message_complete()

@@ -1,0 +1,150 @@
+"""The handle socket bounds the whole exchange: a request must come whole within its deadline
+however slowly its bytes trickle, one user holds at most its share of the connections, and the
+rightful lease holder is answered while a member of the socket's group trickles bytes into
+many (70 such connections, a byte every 4 s, kept the holder out for 40 s)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from protocol.errors import HandleRefusedError
+from protocol.fd_passing import receive_message
+from protocol.handle_socket import HandleAnswer, fetch_arena_fd
+from protocol.schemas.leases import LeaseGrant
+from protocol.schemas.manifest import ShmHandle
+from service.registry.handle_server import PER_PEER, REQUEST_S, HandleServer
+from service.registry.leases import Lease
+from tests.daemon_process import DaemonProcess, lease_body, start_daemon
+from tests.hostile.users import NOBODY, needs_root, run_attacker
+
+
+def _no_lease(lease: str, arena: int) -> tuple[Lease, int, int]:
+    raise HandleRefusedError(f"no lease {lease}")
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[HandleServer]:
+    handles = HandleServer(tmp_path / "handles.sock", _no_lease)
+    handles.start()
+    yield handles
+    handles.stop()
+
+
+def _connect(path: Path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect(str(path))
+    return s
+
+
+def _refusal(s: socket.socket) -> str:
+    got = receive_message(s, HandleAnswer, 1 << 16)
+    assert got is not None and got[0].problem is not None
+    return str(got[0].problem["why"])
+
+
+def test_a_trickled_request_is_cut_off_at_its_deadline(server: HandleServer) -> None:
+    """One byte at a time, each well within any per-read timeout: refused (why ``timeout``)
+    once the request has had its ``REQUEST_S`` to come whole."""
+    s = _connect(server.path)
+    request = b"\x00\x00\x00\x40" + b"{" + b" " * 62 + b"}"
+    sent = 0
+    try:
+        while sent < len(request):
+            s.send(request[sent : sent + 1])
+            sent += 1
+            time.sleep(REQUEST_S / 8)
+    except OSError:
+        pass  # closed on us, as it should be
+    assert sent < len(request)
+    assert _refusal(s) == "timeout"
+    s.close()
+
+
+def test_one_user_holds_at_most_its_share_of_connections(server: HandleServer) -> None:
+    """``PER_PEER`` connections of one user that send nothing: one more is refused at once
+    (why ``busy``); once one of them ends, the user is served again."""
+    held = [_connect(server.path) for _ in range(PER_PEER)]
+    try:
+        extra = _connect(server.path)
+        assert _refusal(extra) == "busy"
+        extra.close()
+        held.pop().close()
+
+        def served() -> str:
+            late = _connect(server.path)
+            late.sendall(b"\x00\x00\x00\x02{}")
+            try:
+                return _refusal(late)
+            finally:
+                late.close()
+
+        deadline = time.monotonic() + 10
+        while (why := served()) == "busy" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert why == "malformed"  # read and judged: its slot was there
+    finally:
+        for s in held:
+            s.close()
+
+
+@pytest.fixture
+def grouped(tmp_path: Path, tiny_fp8: Path) -> Iterator[DaemonProcess]:
+    """A daemon whose run directory and handle socket are open to nobody's group."""
+    reachable = Path(tempfile.mkdtemp(prefix="wc-handles-"))
+    reachable.chmod(0o755)
+    daemon = start_daemon(
+        tmp_path,
+        [tiny_fp8],
+        "--model-id",
+        "tiny",
+        "--shm-group",
+        str(NOBODY),
+        run_dir=reachable / "run",
+    )
+    yield daemon
+    daemon.stop()
+    shutil.rmtree(reachable, ignore_errors=True)
+
+
+@needs_root
+def test_the_holder_is_answered_while_a_group_member_trickles(grouped: DaemonProcess) -> None:
+    r = httpx.post(f"{grouped.url}/v1/leases", json=lease_body(ttl_s=300))
+    grant = LeaseGrant.model_validate_json(r.content)
+    handle = grant.arenas[0].handle
+    assert isinstance(handle, ShmHandle) and handle.access is not None
+    access = handle.access
+    seen: dict[str, Any] = {}
+
+    def attack() -> None:
+        seen.update(
+            run_attacker(
+                NOBODY, "trickle", path=access.socket, connections=70, seconds=6.0, every_s=1.0
+            )
+        )
+
+    attacker = threading.Thread(target=attack)
+    attacker.start()
+    answered = 0
+    try:
+        while attacker.is_alive():
+            fd, _ = fetch_arena_fd(access, grant.lease.id, 0, timeout_s=10)
+            os.close(fd)
+            answered += 1
+            time.sleep(0.1)
+    finally:
+        attacker.join(120)
+    assert answered > 10
+    assert seen.get("made", 0) > 0, seen  # it reached the socket
+    assert seen.get("closed", 0) > 0, seen  # and was cut off, again and again
