@@ -27,7 +27,7 @@ from tests.hostile.users import NOBODY, needs_root, run_attacker
 # cut off within this much, where it could send as long as it liked (77 MB in 8 s).
 BUFFERED = 12 << 20
 TOKEN = "a-token-the-attacker-lacks-0123456789"
-ENDED = {"400", "401", "403", "413", "431"}  # answers that end a request early
+ENDED = {"400", "401", "403", "413", "429", "431"}  # answers that end a request early
 
 
 def _document(answer: bytes) -> dict[str, Any]:

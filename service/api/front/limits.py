@@ -13,7 +13,7 @@ PROBE_ROOM = 16  # connections past the cap, for /health and /ready alone
 PROBE_PATHS = frozenset({"/health", "/ready"})  # never counted against a caller, never refused
 PARSE_PIECE = 4096  # bytes given to the parser at once: a refusal stops it within a piece
 LINGER_S = 1.0  # a refused request's remaining bytes are read (and dropped) this long at most
-LINGER_BYTES = 1 << 20  # ... and this many: then the connection is reset
+LINGER_BYTES = 256 << 10  # ... and this many: then the connection is reset
 
 
 def _no_token() -> SecretStr | None:
