@@ -6,12 +6,17 @@ throughout, and the daemon's RSS comes back within 50 MB once the case ends."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import struct
 from pathlib import Path
 
+import pytest
 import torch
 
-from modelopt_fp8.checkpoint.safetensors_files import MAX_HEADER_BYTES, MAX_TENSORS
+from modelopt_fp8.checkpoint import Checkpoint
+from modelopt_fp8.checkpoint.safetensors_files import MAX_FILES, MAX_HEADER_BYTES, MAX_TENSORS
+from protocol.errors import CorruptFileError, InvalidConfigError
 from tests.checkpoint_tools import many_layers, rewrite_json, rewrite_tensors
 from tests.hostile.conftest import LIMITS, Hostile
 from tests.hostile.memory import RssBack
@@ -129,3 +134,32 @@ def test_a_header_of_too_many_entries_stops_at_the_bound(hostile: Hostile) -> No
     assert info["error"]["code"] == "corrupt_safetensors"
     assert f"more than {MAX_TENSORS} tensors" in info["error"]["detail"]
     probe.assert_answered()
+
+
+def test_a_checkpoint_of_too_many_files_is_refused_before_one_is_opened(
+    tiny_fp8: Path, tmp_path: Path
+) -> None:
+    """Each file is a descriptor held while the load runs: past ``MAX_FILES``, named by the
+    index or lying in the directory, the checkpoint is refused from their names alone."""
+    indexed = Path(shutil.copytree(tiny_fp8, tmp_path / "indexed"))
+    weight_map = {f"t{i}": f"shard-{i}.safetensors" for i in range(MAX_FILES + 1)}
+    (indexed / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(InvalidConfigError, match=f"names {MAX_FILES + 1} files"):
+        Checkpoint.open(indexed)
+    listed = Path(shutil.copytree(tiny_fp8, tmp_path / "listed"))
+    for i in range(MAX_FILES):
+        (listed / f"extra-{i}.safetensors").touch()
+    with pytest.raises(InvalidConfigError, match=f"holds {MAX_FILES + 1} .safetensors files"):
+        Checkpoint.open(listed)
+
+
+def test_headers_are_bounded_in_all_files_together(tiny_fp8: Path, copy_of) -> None:
+    """Two files each within the per-file bound, over it together: refused from their
+    lengths, before either header is read."""
+    path = copy_of(tiny_fp8)
+    half = MAX_HEADER_BYTES // 2 + 8
+    for name in ("a.safetensors", "b.safetensors"):
+        header = b"{}" + b" " * (half - 2)
+        (path / name).write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(CorruptFileError, match="in all"):
+        Checkpoint.open(path)

@@ -103,3 +103,34 @@ def test_the_guarded_class_overrides_only_what_it_names() -> None:
         if callable(value) and not name.startswith("_") and hasattr(base, name)
     }
     assert own == set(OVERRIDDEN)
+
+
+def test_httptools_takes_pieces_and_reports_trailers_as_headers() -> None:
+    """The front feeds the parser slices of a memoryview, counts header and trailer lines
+    through ``on_header``, and reads a request's path with ``httptools.parse_url``."""
+
+    class Seen:
+        lines = 0
+        body = b""
+        done = False
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self.lines += 1
+
+        def on_body(self, body: bytes) -> None:
+            self.body += body
+
+        def on_message_complete(self) -> None:
+            self.done = True
+
+    seen = Seen()
+    parser = httptools.HttpRequestParser(seen)
+    data = memoryview(
+        b"POST /health?x=1 HTTP/1.1\r\nHost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+        b"2\r\nab\r\n0\r\nX-Trailer: t\r\n\r\n"
+    )
+    for start in range(0, len(data), 7):
+        parser.feed_data(data[start : start + 7])
+    assert seen.done and seen.body == b"ab"
+    assert seen.lines == 3  # two headers and the trailer
+    assert httptools.parse_url(b"/health?x=1").path == b"/health"
