@@ -5,28 +5,23 @@ many (70 such connections, a byte every 4 s, kept the holder out for 40 s)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
 from protocol.errors import HandleRefusedError
 from protocol.fd_passing import receive_message
-from protocol.handle_socket import HandleAnswer, fetch_arena_fd
-from protocol.schemas.leases import LeaseGrant
-from protocol.schemas.manifest import ShmHandle
+from protocol.handle_socket import HandleAnswer
 from service.registry.handle_server import PER_PEER, REQUEST_S, HandleServer
 from service.registry.leases import Lease
-from tests.daemon_process import DaemonProcess, lease_body, start_daemon
-from tests.hostile.users import NOBODY, needs_root, run_attacker
+from tests.daemon_process import DaemonProcess, start_daemon
+from tests.hostile.handle_holder import holder_under_trickle
+from tests.hostile.users import NOBODY, needs_root
 
 
 def _no_lease(lease: str, arena: int) -> tuple[Lease, int, int]:
@@ -120,31 +115,7 @@ def grouped(tmp_path: Path, tiny_fp8: Path) -> Iterator[DaemonProcess]:
 
 @needs_root
 def test_the_holder_is_answered_while_a_group_member_trickles(grouped: DaemonProcess) -> None:
-    r = httpx.post(f"{grouped.url}/v1/leases", json=lease_body(ttl_s=300))
-    grant = LeaseGrant.model_validate_json(r.content)
-    handle = grant.arenas[0].handle
-    assert isinstance(handle, ShmHandle) and handle.access is not None
-    access = handle.access
-    seen: dict[str, Any] = {}
-
-    def attack() -> None:
-        seen.update(
-            run_attacker(
-                NOBODY, "trickle", path=access.socket, connections=70, seconds=6.0, every_s=1.0
-            )
-        )
-
-    attacker = threading.Thread(target=attack)
-    attacker.start()
-    answered = 0
-    try:
-        while attacker.is_alive():
-            fd, _ = fetch_arena_fd(access, grant.lease.id, 0, timeout_s=10)
-            os.close(fd)
-            answered += 1
-            time.sleep(0.1)
-    finally:
-        attacker.join(120)
-    assert answered > 10
-    assert seen.get("made", 0) > 0, seen  # it reached the socket
-    assert seen.get("closed", 0) > 0, seen  # and was cut off, again and again
+    seen = holder_under_trickle(grouped.url, "tiny", connections=70, seconds=6.0, every_s=1.0)
+    assert seen.asked > 10 and seen.answered == seen.asked, seen.errors
+    assert seen.attacker.get("made", 0) > 0, seen.attacker  # it reached the socket
+    assert seen.attacker.get("closed", 0) > 0, seen.attacker  # and was cut off, again and again
