@@ -15,5 +15,6 @@ the one module that touches uvicorn's internals, pinned to its version), which a
   framing, trailers), so tiny chunks are refused;
 - ``deadline``: the timers (a request must arrive whole in time; an answer must drain; a
   refused request's remaining bytes are read and dropped only briefly);
-- ``answers``: the problem documents the front writes itself.
+- ``answers``: the problem documents the front writes itself; ``transport_ends``: a reset
+  that leaves nothing queued for a client that does not read.
 """

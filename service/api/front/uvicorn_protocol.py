@@ -1,26 +1,24 @@
 """uvicorn's httptools protocol, bounded: the one module that touches uvicorn's internals.
 
 uvicorn's ``limit_concurrency`` answers only once a request's headers are in, and httptools has
-no size limit at all, so the front subclasses uvicorn's internal ``HttpToolsProtocol``. It was
-written against uvicorn ``UVICORN_VERSION``; ``tests/service/api/test_front_pin.py`` fails on
-any other version and names what it relies on. What each connection does, and which part of
-:mod:`service.api.front` decides:
+no size limit at all, so the front subclasses uvicorn's internal ``HttpToolsProtocol``, written
+against uvicorn ``UVICORN_VERSION`` (``tests/service/api/test_front_pin.py`` fails on any other
+and names what it relies on). Each connection asks the parts of :mod:`service.api.front`:
 
 - **connecting**: at the cap an idle connection makes way, or the newcomer is let in for
-  ``/health`` and ``/ready`` alone, or turned away 503 before any state of its own exists
-  (``admission``);
-- **bytes**: given to the parser ``PARSE_PIECE`` at a time, and counted (``framing``): past a
+  ``/health`` and ``/ready`` alone, or it is turned away 503 before any state of its own
+  exists (``admission``);
+- **bytes**: given to the parser ``PARSE_PIECE`` at a time and counted (``framing``): past a
   bound the request is refused (431, 400 ``chunks_too_small``) within the piece that passed it;
 - **headers in**: at most ``MAX_PIPELINED`` requests ahead of their answers (past that the
-  connection is closed: answers go out in order, so there is no refusal to send); the caller's
-  share of requests in hand (``caller_shares``; 429 past it);
-- **time**: the whole request within ``request_timeout_s`` of its first byte (408); an answer
-  the client does not read drains within ``request_timeout_s`` once the socket backs up, else
-  the connection is reset (``deadline``);
-- **an answer before the whole request came** (the front's refusals, and the app's: 401, 403,
-  413): nothing more of the request is parsed; its remaining bytes are read and dropped for at
-  most ``LINGER_S`` and ``LINGER_BYTES`` (so a client still sending reads the answer rather
-  than a reset), then the connection closes.
+  connection is closed: answers go out in order); the caller's share of requests in hand
+  (``caller_shares``; 429 past it);
+- **time** (``deadline``): the whole request within ``request_timeout_s`` of its first byte
+  (408); an answer the client does not read drains within as long, else a reset;
+- **an answer before the whole request came** (the front's refusals, and the app's 401, 403,
+  413): nothing more of it is parsed; its remaining bytes are read and dropped for at most
+  ``LINGER_S`` and ``LINGER_BYTES`` (a client still sending reads its answer rather than a
+  reset), then the connection closes.
 
 Each refusal is counted under its code (``weight_cache_refusals_total``). A Unix-socket peer's
 credentials (``SO_PEERCRED``) are read once per connection and given to every request in
@@ -30,12 +28,7 @@ credentials (``SO_PEERCRED``) are read once per connection and given to every re
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import fcntl
 import logging
-import socket
-import struct
-import termios
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
@@ -64,6 +57,7 @@ from service.api.front.limits import (
     PROBE_PATHS,
     FrontLimits,
 )
+from service.api.front.transport_ends import reset, unsent
 from service.api.peer import PEER_KEY, ConnectionPeer, unix_credentials
 from service.logsafe import get_logger
 
@@ -71,8 +65,6 @@ log = get_logger(__name__)
 
 UVICORN_VERSION = "0.55.0"  # the uvicorn whose HttpToolsProtocol this module subclasses
 _PROBE_PATHS = frozenset(path.encode() for path in PROBE_PATHS)
-_LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close sends a reset
-_INT = struct.Struct("i")
 
 
 @dataclass
@@ -160,18 +152,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _close_now(self) -> None:
         """Close, dropping what the client has not read (a close would wait for it)."""
         if self.transport.get_write_buffer_size():
-            self._reset()
+            reset(self.transport)
         else:
             self.transport.close()
-
-    def _reset(self) -> None:
-        """Abort with a reset: neither the transport nor the kernel keeps unread bytes for
-        a client that does not read (a plain close leaves them queued in an orphan)."""
-        sock = self.transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
-        self.transport.abort()
 
     def _close_after_drain(self) -> None:
         """Close once what was written is read, giving the client the request timeout to
@@ -186,22 +169,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         queued in the kernel for a reader that never comes."""
         if self.transport.is_closing():
             return
-        if self._unsent():
+        if unsent(self.transport):
             self.front.limits.on_refuse(RequestTimeoutError.code)
             log.info("resetting an idle connection whose client left its answer unread")
-            self._reset()
+            reset(self.transport)
         else:
             self.transport.close()
-
-    def _unsent(self) -> int:
-        """Bytes written and not yet read by the client: in the transport and the kernel."""
-        queued = self.transport.get_write_buffer_size()
-        sock = self.transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, _INT.pack(0))
-                queued += _INT.unpack(raw)[0]
-        return queued
 
     # --- ending a request early ----------------------------------------------------------------
 
@@ -278,7 +251,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.front.limits.request_timeout_s,
         )
         self.front.limits.on_refuse(RequestTimeoutError.code)
-        self._reset()
+        reset(self.transport)
 
     # --- bytes and parser events ---------------------------------------------------------------
 
