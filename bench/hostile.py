@@ -101,6 +101,7 @@ CASES: dict[str, Case] = {
     "non-UTF-8 checkpoint name": hostile_files.odd_name,
     "300 loads at once": hostile_files.load_flood,
     "60,000 one-tensor layers, 4 loads at once for 30 s": hostile_files.many_layers_storm,
+    "9,000 hollow layers, 4 loads at once for 30 s": hostile_files.hollow_layers_storm,
     "1-byte chunks, one allowed connection": hostile_front.tiny_chunks,
     "1-byte chunks, 16 connections of a refused user": hostile_front.tiny_chunks_refused_user,
     "1,000 connections of one allowed user": hostile_front.allowed_flood,

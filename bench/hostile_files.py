@@ -19,7 +19,7 @@ import httpx
 from bench.hostile_tools import Result, Target, linked_copy, replace_file
 from modelopt_fp8.checkpoint import checkpoint_fingerprint
 from service.demo import write_demo_checkpoint
-from tests.checkpoint_tools import many_layers, rewrite_header
+from tests.checkpoint_tools import hollow_layers, many_layers, rewrite_header
 
 
 def _settled(client: httpx.Client, model_id: str, timeout_s: float = 600) -> dict[str, Any]:
@@ -270,7 +270,17 @@ def many_layers_storm(target: Target, work: Path) -> Result:
     """A 5.4 MB checkpoint of 60,000 layers, one zero-size tensor each, loaded four at once
     and again as each fails, for 30 s (one load took 3.6 s and 169 MB; the storm took the
     daemon from 260 to 956 MB and kept 700-880 MB)."""
-    path = many_layers(work / "many-layers", target.model, 60_000)
+    return _storm(target, many_layers(work / "many-layers", target.model, 60_000))
+
+
+def hollow_layers_storm(target: Target, work: Path) -> Result:
+    """9,000 layers whose every linear weight is named, each of zero size (5.8 MB, 63,000
+    entries: it passes every count and is parsed in full), loaded the same way."""
+    return _storm(target, hollow_layers(work / "hollow-layers", target.model, 9_000))
+
+
+def _storm(target: Target, path: Path) -> Result:
+    """``path`` loaded four at once, again as each fails, for 30 s."""
     deadline = time.monotonic() + 30
     took: list[float] = []
     codes: dict[str, int] = {}
@@ -279,7 +289,7 @@ def many_layers_storm(target: Target, work: Path) -> Result:
     def loader(n: int) -> None:
         i = 0
         while time.monotonic() < deadline:
-            info, seconds = _load_once(target, path, f"layers-{n}-{i}")
+            info, seconds = _load_once(target, path, f"{path.name}-{n}-{i}")
             i += 1
             with lock:
                 took.append(seconds)

@@ -222,6 +222,25 @@ def kv_scale_names(dims: ModelDims) -> dict[str, tuple[str, ...]]:
 _LAYER = re.compile(r"^model\.layers\.(\d{1,9})\.")
 
 
+# The least a safetensors header spends on one tensor besides its name: quotes, colon, comma
+# and the shortest entry the format allows.
+_MIN_ENTRY_BYTES = len('"":{"dtype":"U8","shape":[],"data_offsets":[0,0]},')
+
+
+def check_header_room(dims: ModelDims, header_bytes: int, source: str) -> None:
+    """Before a header is read: the linear weights of the layers the config promises, each at
+    the least bytes a header can spend on it, must fit in the headers' lengths."""
+    per_layer = sum(len(name) + _MIN_ENTRY_BYTES for name in layer_weight_names(dims, 0))
+    if dims.num_hidden_layers * per_layer > header_bytes:
+        raise InvalidConfigError(
+            f"config.json says num_hidden_layers is {dims.num_hidden_layers}: their linear "
+            f"weights need at least {dims.num_hidden_layers * per_layer} bytes of safetensors "
+            f"headers, which hold {header_bytes}",
+            file=source,
+            field="num_hidden_layers",
+        )
+
+
 _NAMED_LAYER = re.compile(rb'"model\.layers\.(\d{1,9})\.')
 _ENTRY = b'"data_offsets"'  # once in every tensor's entry
 

@@ -23,6 +23,7 @@ import torch
 from modelopt_fp8.checkpoint.architecture import (
     ModelDims,
     check_dims,
+    check_header_room,
     check_raw_headers,
     read_dims,
 )
@@ -103,10 +104,16 @@ class Checkpoint:
             quant = quant_config_from(directory.path, config, hf_data)
             dims = read_dims(config, source)
             files, weight_map = weight_files(directory)
+
+            def before_reading(header_bytes: int) -> None:
+                check_header_room(dims, header_bytes, source)
+                if claim_headers is not None:
+                    claim_headers(header_bytes)
+
             tensors, headers = index_tensors(
                 files,
                 weight_map,
-                claim_headers,
+                before_reading,
                 lambda raws: check_raw_headers(dims, raws, source),
             )
             check_dims(dims, {name: info.shape for name, info in tensors.items()}, source)

@@ -2,21 +2,19 @@
 
 What opening and planning a checkpoint costs grows with its safetensors headers: the parsed
 entries, the tensor index and the plan take about eight times the headers' bytes while a load
-runs (a 5.4 MB header of 60,000 entries, 40 MB), and what several such loads at once leave
-scattered in the heap is not all given back once they end. ``--max-concurrent-loads`` bounds
-how many loads run; this bounds what they hold together: the loads running at once may have at
-most ``LOADING_HEADER_BYTES`` of headers (as much as one checkpoint may have; real ones, about
-100 KB, run side by side), and a load whose headers do not fit waits, before it reads them,
-until others end (an unload stops the wait).
+runs (a 5.8 MB header of 63,000 entries, about 40 MB), and what several such loads at once
+leave scattered in the heap is not all given back once they end. ``--max-concurrent-loads``
+bounds how many loads run; this bounds what they hold together: the loads running at once may
+have at most ``LOADING_HEADER_BYTES`` of headers (real ones are about 100 KB: dozens run side
+by side), a load whose headers pass it alone runs alone, and a load whose headers do not fit
+waits, before it reads them, until others end (an unload stops the wait).
 """
 
 from __future__ import annotations
 
 import threading
 
-from modelopt_fp8.checkpoint.safetensors_files import MAX_HEADER_BYTES
-
-LOADING_HEADER_BYTES = MAX_HEADER_BYTES
+LOADING_HEADER_BYTES = 4 << 20
 _CHECK_CANCEL_S = 0.2  # how often a waiting load looks whether it was unloaded
 
 

@@ -96,7 +96,8 @@ CLAIMS: dict[str, str] = {
         "test_checkpoint_bombs.py::"
         "test_a_checkpoint_of_too_many_files_is_refused_before_one_is_opened"
     ),
-    "must hold the linear weights of every layer the config promises": (
+    "must have room for the linear weights of every layer the config promises "
+    "(`check_header_room`)": (
         "test_checkpoint_bombs.py::test_layers_of_one_empty_tensor_each_are_refused_before_any_plan"
     ),
     f"at most {header_budget.LOADING_HEADER_BYTES >> 20} MiB of headers together "

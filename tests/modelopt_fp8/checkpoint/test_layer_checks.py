@@ -1,6 +1,7 @@
 """What a config promises is held against the headers before anything is built: first their
-bytes (how many tensors, which layers they name), then, once parsed, the linear weights of
-every layer by name, stopping at the first layer that falls short."""
+lengths (room for the promised layers' weights), then their bytes (how many tensors, which
+layers they name), then, once parsed, the linear weights of every layer by name, stopping at
+the first layer that falls short."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import pytest
 
 from modelopt_fp8.checkpoint.architecture import (
+    check_header_room,
     check_layers,
     check_raw_headers,
     layer_weight_names,
@@ -35,6 +37,13 @@ def test_a_complete_stack_passes_both_checks() -> None:
     names = every_weight(3)
     check_raw_headers(DIMS, [header(names[:10]), header(names[10:])], "c")
     check_layers(DIMS, dict.fromkeys(names, (0,)), "c")
+
+
+def test_headers_too_short_for_the_promised_weights_are_refused_by_their_length() -> None:
+    exact = len(header(every_weight(3)))
+    check_header_room(DIMS, exact, "c")  # real entries are longer than the least
+    with pytest.raises(InvalidConfigError, match="bytes of safetensors headers, which hold 900"):
+        check_header_room(DIMS, 900, "c")
 
 
 def test_fewer_tensors_than_the_layers_need_are_refused_from_the_bytes() -> None:
