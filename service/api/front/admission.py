@@ -5,7 +5,9 @@ idle keep-alive connections when it runs out, the longest idle first in this ord
 request was refused and whose last bytes are being dropped; one that has not finished a request
 (it sent nothing, or part of one); a keep-alive one between requests. An answered client is the
 last to lose its connection, because closing one between requests can race a request it is
-sending, while a connection that never finished a request loses nothing. When none is idle,
+sending, while a connection that never finished a request loses nothing. A connection whose
+client's bytes wait to be read is not idle (its request came, as the newcomer did), however
+long ago it was made; ``SCAN`` of each kind are looked at, at most. When none is idle,
 ``PROBE_ROOM`` more connections are let in for ``/health`` and ``/ready`` alone (the rest of
 what they ask is answered 503), so a probe always has room; past those, a new connection is
 answered 503 at once.
@@ -32,9 +34,15 @@ class Admitted(enum.Enum):
     PROBES_ONLY = "probes only"  # past the cap: /health and /ready alone
 
 
+SCAN = 16  # idle connections of a kind looked at for one newcomer
+
+
 class Yields(Protocol):
     def make_way(self) -> None:
         """Close for a newcomer (it was idle)."""
+
+    def has_waiting_bytes(self) -> bool:
+        """Whether its client's bytes wait to be read (then it is not idle)."""
 
 
 C = TypeVar("C", bound=Yields)
@@ -67,8 +75,11 @@ class Admission(Generic[C]):
 
     def longest_idle(self) -> C | None:
         for idleness in Idleness:
-            for connection in self._idle[idleness]:
-                return connection
+            for n, connection in enumerate(self._idle[idleness]):
+                if n == SCAN:
+                    break
+                if idleness is Idleness.LINGERING or not connection.has_waiting_bytes():
+                    return connection
         return None
 
     def idle(self, connection: C, idleness: Idleness) -> None:

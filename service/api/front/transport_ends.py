@@ -1,5 +1,5 @@
-"""Ending a connection whose client does not read: what is still unread, and a reset that
-leaves none of it behind."""
+"""What a connection's socket holds unread, both ways, and a reset that leaves none of it
+behind (for a client that does not read)."""
 
 from __future__ import annotations
 
@@ -33,3 +33,15 @@ def unsent(transport: asyncio.Transport) -> int:
             raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, _INT.pack(0))
             queued += _INT.unpack(raw)[0]
     return int(queued)
+
+
+def waiting(transport: asyncio.Transport) -> int:
+    """Bytes the client sent that the daemon has not read yet (in the kernel)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, _INT.pack(0))
+    except OSError:
+        return 0
+    return int(_INT.unpack(raw)[0])

@@ -20,9 +20,8 @@ and names what it relies on). Each connection asks the parts of :mod:`service.ap
   ``LINGER_S`` and ``LINGER_BYTES`` (a client still sending reads its answer rather than a
   reset), then the connection closes.
 
-Each refusal is counted under its code (``weight_cache_refusals_total``). A Unix-socket peer's
-credentials (``SO_PEERCRED``) are read once per connection and given to every request in
-``scope[PEER_KEY]`` (:class:`service.api.peer.ConnectionPeer`).
+Each refusal is counted under its code. A Unix-socket peer's credentials are read once per
+connection and given to every request in ``scope[PEER_KEY]``.
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ from service.api.front.limits import (
     PROBE_PATHS,
     FrontLimits,
 )
-from service.api.front.transport_ends import reset, unsent
+from service.api.front.transport_ends import reset, unsent, waiting
 from service.api.peer import PEER_KEY, ConnectionPeer, unix_credentials
 from service.logsafe import get_logger
 
@@ -135,6 +134,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         else:
             self._close_now()
 
+    def has_waiting_bytes(self) -> bool:
+        return waiting(self.transport) > 0
+
     def connection_lost(self, exc: Exception | None) -> None:
         if self._turned_away:
             return
@@ -146,7 +148,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def _give_back(self, caller: CallerKey | None) -> None:
-        if caller is not None:
+        if caller is not None:  # None: a probe, never counted
             self.front.shares.give_back(caller)
 
     def _close_now(self) -> None:
@@ -222,7 +224,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._dropped > LINGER_BYTES:
             self._close_now()
 
-    # --- the request deadline ------------------------------------------------------------------
+    # --- deadlines: the request's, the answer's drain ------------------------------------------
 
     def _timed_out(self) -> None:
         cycle = self._current
@@ -234,8 +236,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._refuse(
             RequestTimeoutError(f"the request was not received within {limit} s", limit_s=limit)
         )
-
-    # --- the answer's drain deadline -----------------------------------------------------------
 
     def pause_writing(self) -> None:
         super().pause_writing()
