@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from modelopt_fp8.checkpoint import safetensors_files
+from modelopt_fp8.checkpoint import checkpoint, safetensors_files
 from service.api.front import framing, limits
 from service.registry import handle_server, header_budget
 from service.setting import setting_of
@@ -20,7 +20,7 @@ from service.settings import DaemonSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADING = "### Security and local trust"
-MODULES = (limits, framing, safetensors_files, header_budget, handle_server)
+MODULES = (limits, framing, checkpoint, safetensors_files, header_budget, handle_server)
 
 
 def section() -> str:
@@ -95,6 +95,9 @@ CLAIMS: dict[str, str] = {
     "tensors in all (`MAX_FILES`, `MAX_HEADER_BYTES`, `MAX_TENSORS`": (
         "test_checkpoint_bombs.py::"
         "test_a_checkpoint_of_too_many_files_is_refused_before_one_is_opened"
+    ),
+    f"Headers of more than {checkpoint.PARSED_AS_THEY_ARE // 1024} KiB (`PARSED_AS_THEY_ARE`": (
+        "test_checkpoint_bombs.py::test_every_layer_needs_its_weights"
     ),
     "must have room for the linear weights of every layer the config promises "
     "(`check_header_room`)": (
