@@ -9,6 +9,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from tests.hostile import attackers
 from tests.hostile.probe import FreshProbe
 from tests.hostile.sockets import read_all, send_until_closed, status_of
 from tests.hostile.users import NOBODY, run_attacker
+from tests.waiting import wait_for
 
 
 def _big_header(target: Target) -> int:
@@ -204,7 +206,7 @@ def allowed_flood(target: Target, work: Path) -> Result:
                 "tp_rank": 0,
                 "tp_size": 1,
                 "client_pid": os.getpid(),
-                "group": "flood",
+                "group": f"flood-{uuid.uuid4().hex[:8]}",
             },
         )
         parked = r.json()["id"]
@@ -216,7 +218,8 @@ def allowed_flood(target: Target, work: Path) -> Result:
         }
         with FreshProbe(target.url) as health, FreshProbe(target.url, "/ready") as ready:
             seen = attackers.connection_flood(target.port, kinds, 15.0)
-        client.delete(f"/v1/parking/{parked}")
+        # Once the daemon has let go of the flood's long-polls, the withdrawal is not refused.
+        wait_for(lambda: client.delete(f"/v1/parking/{parked}").status_code in (204, 404), 30)
     asked = health.asked + ready.asked
     failures = sorted(set(health.failures + ready.failures))[:2]
     how = f"fresh probes answered; flood saw {seen}" + (

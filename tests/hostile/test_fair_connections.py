@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,12 +61,15 @@ def _open(port: int, head: bytes, count: int) -> list[socket.socket]:
 
 @pytest.fixture
 def parked(hostile: Hostile) -> Iterator[str]:
-    """An engine of this process parked on the model: what its long-polls ask about."""
-    body = {"model": "tiny", "tp_rank": 0, "tp_size": 1, "client_pid": os.getpid(), "group": "g"}
-    r = hostile.client.post("/v1/parking", json=body)
+    """An engine of this process parked on the model: what its long-polls ask about. Withdrawn
+    once the daemon has let go of the test's long-polls (until then the caller is at its share,
+    and the withdrawal itself is refused 429)."""
+    body = {"model": "tiny", "tp_rank": 0, "tp_size": 1, "client_pid": os.getpid()}
+    r = hostile.client.post("/v1/parking", json={**body, "group": uuid.uuid4().hex[:12]})
     assert r.status_code == 201, r.text
     yield r.json()["id"]
-    hostile.client.delete(f"/v1/parking/{r.json()['id']}")
+    path = f"/v1/parking/{r.json()['id']}"
+    wait_for(lambda: hostile.client.delete(path).status_code in (204, 404), 30)
 
 
 def test_unfinished_requests_of_one_caller_stop_at_its_share(hostile: Hostile) -> None:
