@@ -17,6 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -24,18 +29,57 @@ from typing import Any
 
 import httpx
 
-from bench import hostile_files, hostile_front, hostile_leases
+from bench import hostile_files, hostile_front, hostile_handles, hostile_leases
 from bench.common import CACHE, demo_checkpoint, save_json
 from bench.hostile_tools import Case, Target
 from harness.daemon_process import start_daemon
 from harness.hostile.memory import SLACK_BYTES
 from harness.hostile.probe import HealthProbe
+from harness.hostile.users import NOBODY
 from harness.waiting import poll
 
 
 def idle(target: Target, work: Path) -> tuple[int, int, str]:
     time.sleep(2)
     return 0, 0, "baseline"
+
+
+def token_file_of_another_user(target: Target, work: Path) -> tuple[int, int, str]:
+    """``serve --token-file`` naming a 0600 file another user owns (that user knows the
+    token): the daemon must refuse to start (it served with it)."""
+    token = work / "foreign-token"
+    token.write_text("a-token-another-user-wrote-0123456789\n")
+    token.chmod(0o600)
+    os.chown(token, NOBODY, NOBODY)
+    serve = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "weight_cache_cli",
+            "serve",
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--token-file",
+            str(token),
+            "--keeper",
+            "off",
+        ],
+        cwd=target.tree,
+        env={**os.environ, **({"PYTHONPATH": str(target.tree)} if target.tree else {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        out, _ = serve.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        serve.kill()
+        out, _ = serve.communicate()
+        return 1, 0, "served with it"
+    said = next((line for line in out.splitlines() if "token" in line.lower()), out[-200:])
+    return 1, int(serve.returncode != 0), f"exit {serve.returncode}: {said.strip()[:160]}"
 
 
 CASES: dict[str, Case] = {
@@ -57,6 +101,12 @@ CASES: dict[str, Case] = {
     "symlink swap race": hostile_files.symlink_race,
     "non-UTF-8 checkpoint name": hostile_files.odd_name,
     "300 loads at once": hostile_files.load_flood,
+    "60,000 one-tensor layers, 4 loads at once for 30 s": hostile_files.many_layers_storm,
+    "9,000 hollow layers, 4 loads at once for 30 s": hostile_files.hollow_layers_storm,
+    "1-byte chunks, one allowed connection": hostile_front.tiny_chunks,
+    "1-byte chunks, 16 connections of a refused user": hostile_front.tiny_chunks_refused_user,
+    "1,000 connections of one allowed user": hostile_front.allowed_flood,
+    "token file owned by another user": token_file_of_another_user,
     "20,000 leases, default caps": hostile_leases.leases_capped,
     "4,096 leases, invisible PIDs": hostile_leases.invisible_pids,
     "another user's lease": hostile_leases.foreign_lease,
@@ -165,7 +215,7 @@ def leases_case(model: Path, work: Path, tree: Path | None) -> dict[str, Any]:
         work / "leases", [model], "--model-id", "qwen", *caps, timeout_s=600, tree=tree
     )
     try:
-        target = Target(daemon, model, tree is None)
+        target = Target(daemon, model, tree is None, tree)
         return _run_case("20,000 leases + reaper", hostile_leases.leases_20k, target, work)
     finally:
         daemon.stop()
@@ -184,7 +234,7 @@ def scrub_case(model: Path, work: Path, tree: Path | None) -> dict[str, Any]:
         tree=tree,
     )
     try:
-        target = Target(daemon, model, tree is None)
+        target = Target(daemon, model, tree is None, tree)
 
         def scrub(target: Target, work: Path) -> tuple[int, int, str]:
             time.sleep(6)
@@ -198,6 +248,54 @@ def scrub_case(model: Path, work: Path, tree: Path | None) -> dict[str, Any]:
         return _run_case("scrub every 1 s (qwen arena)", scrub, target, work)
     finally:
         daemon.stop()
+
+
+def own_daemon_case(
+    name: str,
+    case: Case,
+    model: Path,
+    work: Path,
+    tree: Path | None,
+    *flags: str,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """``case`` against a daemon of its own serving qwen with ``flags`` and ``env``, its run
+    directory where every user can reach it (its own mode decides who enters)."""
+    reachable = Path(tempfile.mkdtemp(prefix="wc-hostile-run-"))
+    reachable.chmod(0o755)
+    daemon = start_daemon(
+        work / name.split(maxsplit=1)[0],
+        [model],
+        "--model-id",
+        "qwen",
+        *flags,
+        env=env,
+        timeout_s=600,
+        tree=tree,
+        run_dir=reachable / "run",
+    )
+    try:
+        return _run_case(name, case, Target(daemon, model, tree is None, tree), work)
+    finally:
+        daemon.stop()
+        shutil.rmtree(reachable, ignore_errors=True)
+
+
+# Cases that need a daemon of their own: (name, case, flags, environment).
+OWN_DAEMON: list[tuple[str, Case, tuple[str, ...], dict[str, str]]] = [
+    (
+        "1-byte chunks, 16 connections without the token",
+        hostile_front.tiny_chunks_without_token,
+        (),
+        {"WEIGHT_CACHE_TOKEN": "a-token-the-attacker-lacks-0123456789"},
+    ),
+    (
+        "handle socket: 70 connections trickling",
+        hostile_handles.trickled,
+        ("--shm-group", str(NOBODY)),
+        {},
+    ),
+]
 
 
 def _print(rows: list[dict[str, Any]]) -> None:
@@ -234,7 +332,7 @@ def main() -> None:
         timeout_s=600,
         tree=args.tree,
     )
-    target = Target(daemon, model, args.tree is None)
+    target = Target(daemon, model, args.tree is None, args.tree)
     rows = []
     try:
         for name, case in CASES.items():
@@ -249,6 +347,10 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     if not args.only or "scrub" in args.only:
         rows.append(scrub_case(model, work, args.tree))
+    for name, case, flags, env in OWN_DAEMON:
+        if not args.only or name in args.only:
+            rows.append(own_daemon_case(name, case, model, work, args.tree, *flags, env=env))
+            print(json.dumps(rows[-1]), flush=True)
     _print(rows)
     save_json(args.json, rows)
 

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from bench.hostile_tools import Result, Target, linked_copy, replace_file
-from harness.checkpoint_tools import rewrite_header
+from harness.checkpoint_tools import hollow_layers, many_layers, rewrite_header
 from modelopt_fp8.checkpoint import checkpoint_fingerprint
 from service.demo import write_demo_checkpoint
 
@@ -264,3 +264,42 @@ def symlink_race(target: Target, work: Path) -> Result:
             attacker.kill()
     how = ", ".join(f"{n} {what}" for what, n in sorted(outcomes.items()))
     return 40, held, f"never the outside file ({how})"
+
+
+def many_layers_storm(target: Target, work: Path) -> Result:
+    """A 5.4 MB checkpoint of 60,000 layers, one zero-size tensor each, loaded four at once
+    and again as each fails, for 30 s (one load took 3.6 s and 169 MB; the storm took the
+    daemon from 260 to 956 MB and kept 700-880 MB)."""
+    return _storm(target, many_layers(work / "many-layers", target.model, 60_000))
+
+
+def hollow_layers_storm(target: Target, work: Path) -> Result:
+    """9,000 layers whose every linear weight is named, each of zero size (5.8 MB, 63,000
+    entries: it passes every count and is parsed in full), loaded the same way."""
+    return _storm(target, hollow_layers(work / "hollow-layers", target.model, 9_000))
+
+
+def _storm(target: Target, path: Path) -> Result:
+    """``path`` loaded four at once, again as each fails, for 30 s."""
+    deadline = time.monotonic() + 30
+    took: list[float] = []
+    codes: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def loader(n: int) -> None:
+        i = 0
+        while time.monotonic() < deadline:
+            info, seconds = _load_once(target, path, f"{path.name}-{n}-{i}")
+            i += 1
+            with lock:
+                took.append(seconds)
+                codes[_code(info)] = codes.get(_code(info), 0) + 1
+
+    threads = [threading.Thread(target=loader, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    refused = sum(n for code, n in codes.items() if code != "ready")
+    mean = sum(took) / max(1, len(took))
+    return len(took), refused, f"{codes}, {mean:.2f} s per load"

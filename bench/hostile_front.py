@@ -1,18 +1,26 @@
 """Hostile HTTP clients: huge headers and trailers, half-sent requests, connection floods,
-requests pipelined without reading, idle connections parked at the cap."""
+requests pipelined without reading, idle connections parked at the cap, bodies in chunks of one
+byte, and an allowed user's thousand connections."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from bench.hostile_tools import Result, Target, connect
+from harness.hostile import attackers
+from harness.hostile.probe import FreshProbe
 from harness.hostile.sockets import read_all, send_until_closed, status_of
+from harness.hostile.users import NOBODY, run_attacker
+from harness.waiting import poll
 from service.api.peer import tcp_socket
 
 
@@ -152,3 +160,71 @@ def idle_at_cap(target: Target, work: Path) -> Result:
         for s in parked:
             s.close()
     return 50, served, "newcomers served while idle connections fill the cap"
+
+
+def tiny_chunks(target: Target, work: Path) -> Result:
+    """One allowed connection sends a chunked body in chunks of one byte, again on a new
+    connection each time it is closed, for 8 s (the probe's kept a core busy: /health p50
+    593 ms, max 1.4 s)."""
+    seen = attackers.chunked_posts(target.daemon.port, 1, 8.0)
+    return _refused_chunks(seen)
+
+
+def tiny_chunks_refused_user(target: Target, work: Path) -> Result:
+    """16 connections of a user the daemon refuses over TCP (403 ``peer_not_allowed``) send
+    chunks of one byte, each again on a new connection once closed, for 8 s (four such held
+    /health up to 5.0 s)."""
+    seen = run_attacker(
+        NOBODY, "chunked_posts", port=target.daemon.port, connections=16, seconds=8.0
+    )
+    return _refused_chunks(seen)
+
+
+def tiny_chunks_without_token(target: Target, work: Path) -> Result:
+    """The same 16 connections without the token a daemon requires (401)."""
+    seen = attackers.chunked_posts(target.daemon.port, 16, 8.0)
+    return _refused_chunks(seen)
+
+
+def _refused_chunks(seen: dict[str, Any]) -> Result:
+    statuses: dict[str, int] = seen["statuses"]
+    ended = sum(n for status, n in statuses.items() if status in ("400", "401", "403", "431"))
+    per = seen["bytes"] / max(1, seen["requests"])
+    how = f"answers {statuses}, {per / 1024:.0f} KiB sent per request"
+    return seen["requests"], ended, how
+
+
+def allowed_flood(target: Target, work: Path) -> Result:
+    """1,000 connections of one allowed user for 15 s: 300 long-polls on its own parked
+    engine (wait_s=60), 300 chunked POSTs that send only their headers, 400 that send nothing,
+    each made again as soon as the daemon closes it (260 long-polls made every new connection
+    answer 503 for 60 s). Meanwhile new connections ask /health and /ready every 50 ms: held
+    counts those answered 200."""
+    with httpx.Client(base_url=target.url, timeout=30) as client:
+        r = client.post(
+            "/v1/parking",
+            json={
+                "model": "qwen",
+                "tp_rank": 0,
+                "tp_size": 1,
+                "client_pid": os.getpid(),
+                "group": f"flood-{uuid.uuid4().hex[:8]}",
+            },
+        )
+        parked = r.json()["id"]
+        long_poll = f"GET /v1/parking/{parked}?wait_s=60 HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+        kinds = {
+            "long_poll": (long_poll, 300),
+            "headers_only": (attackers.CHUNKED_POST + b"\r\n", 300),
+            "silent": (b"", 400),
+        }
+        with FreshProbe(target.url) as health, FreshProbe(target.url, "/ready") as ready:
+            seen = attackers.connection_flood(target.daemon.port, kinds, 15.0)
+        # Once the daemon has let go of the flood's long-polls, the withdrawal is not refused.
+        poll(lambda: client.delete(f"/v1/parking/{parked}").status_code in (204, 404), 30)
+    asked = health.asked + ready.asked
+    failures = sorted(set(health.failures + ready.failures))[:2]
+    how = f"fresh probes answered; flood saw {seen}" + (
+        f"; failures {failures}" if failures else ""
+    )
+    return asked, health.answered + ready.answered, how

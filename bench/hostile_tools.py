@@ -24,6 +24,7 @@ class Target:
     daemon: DaemonProcess
     model: Path  # the checkpoint it serves as "qwen"
     current: bool  # a daemon of this tree (False: an earlier build, for before/after figures)
+    tree: Path | None = None  # that earlier build's source tree
 
     @property
     def url(self) -> str:

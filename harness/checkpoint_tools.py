@@ -61,3 +61,44 @@ def hub_snapshot(
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(revision)
     return snapshot
+
+
+def many_layers(path: Path, config_from: Path, layers: int) -> Path:
+    """A checkpoint of ``layers`` layers holding one zero-size tensor each (config.json says
+    so), about 90 bytes of header per layer."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = json.loads((config_from / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (path / "config.json").write_text(json.dumps(config))
+    shutil.copyfile(config_from / "hf_quant_config.json", path / "hf_quant_config.json")
+    entries = b",".join(
+        b'"model.layers.%d.input_layernorm.weight":{"dtype":"BF16","shape":[0],'
+        b'"data_offsets":[0,0]}' % i
+        for i in range(layers)
+    )
+    header = b"{" + entries + b"}"
+    header += b" " * (-len(header) % 8)
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    return path
+
+
+def hollow_layers(path: Path, config_from: Path, layers: int) -> Path:
+    """A checkpoint of ``layers`` layers whose every linear weight is named, each of zero size:
+    it passes every count, so it is parsed in full before its sizes are found wrong."""
+    from modelopt_fp8.checkpoint.architecture import layer_weight_names, read_dims
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = json.loads((config_from / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (path / "config.json").write_text(json.dumps(config))
+    shutil.copyfile(config_from / "hf_quant_config.json", path / "hf_quant_config.json")
+    dims = read_dims(config, "config.json")
+    entries = b",".join(
+        b'"%s":{"dtype":"F8_E4M3","shape":[0,0],"data_offsets":[0,0]}' % name.encode()
+        for i in range(layers)
+        for name in layer_weight_names(dims, i)
+    )
+    header = b"{" + entries + b"}"
+    header += b" " * (-len(header) % 8)
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    return path

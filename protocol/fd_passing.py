@@ -39,6 +39,19 @@ def send_message(
         sock.sendall(data[sent:])
 
 
+def framed_payload(data: bytes | bytearray, max_bytes: int) -> bytes | None:
+    """The payload of the message ``data`` begins with, once all of it has come (None
+    before); :class:`FramingError` as soon as its length passes ``max_bytes``. For a reader
+    that gathers bytes as they come, never waiting on one peer."""
+    if len(data) < _LENGTH.size:
+        return None
+    (length,) = _LENGTH.unpack_from(data)
+    if length > max_bytes:
+        raise FramingError(f"a message of {length} bytes (at most {max_bytes})")
+    end = _LENGTH.size + length
+    return bytes(data[_LENGTH.size : end]) if len(data) >= end else None
+
+
 def _exactly(sock: socket.socket, nbytes: int) -> bytes:
     chunks = []
     while nbytes:

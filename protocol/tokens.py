@@ -52,10 +52,18 @@ def header_safe(token: str, what: str = "the token") -> str:
     return token
 
 
-def exposed_token_file(path: str | Path) -> str | None:
-    """Why the token file at ``path`` is not private to its owner and group (readable or
-    writable by every user), or ``None`` when it is."""
-    mode = stat.S_IMODE(os.stat(path).st_mode)
+def untrusted_token_file(path: str | Path) -> str | None:
+    """Why a daemon must not take its token from ``path``, or ``None`` when it may: the file
+    must be its own user's or root's (another owner knows the token and may change it) and
+    private to its owner and group (not readable or writable by every user)."""
+    st = os.stat(path)
+    if st.st_uid not in (os.geteuid(), 0):
+        return (
+            f"token file {path} belongs to uid {st.st_uid}, neither this user (uid "
+            f"{os.geteuid()}) nor root: that user knows the token and may change it; "
+            f"`chown {os.geteuid()} {path}`, or write a token file of your own"
+        )
+    mode = stat.S_IMODE(st.st_mode)
     if mode & (stat.S_IROTH | stat.S_IWOTH):
         return (
             f"token file {path} is {'readable' if mode & stat.S_IROTH else 'writable'} by every "

@@ -36,7 +36,7 @@ from protocol.client_settings import HOST, PORT, TOKEN, TOKEN_FILE, UDS
 from protocol.errors import UnauthorizedError
 from protocol.schemas.tensor_parallel import MAX_TP_SIZE
 from protocol.setting import ENV_PREFIX, setting, setting_of
-from protocol.tokens import choose_token, clean_token, exposed_token_file, read_token_file
+from protocol.tokens import choose_token, clean_token, read_token_file, untrusted_token_file
 from service.run_dir import default_run_dir
 
 __all__ = ["DaemonSettings"]
@@ -190,7 +190,17 @@ class DaemonSettings(BaseSettings):
     max_connections: int = setting(
         256,
         flag="--max-connections",
-        help="Most open HTTP connections; more are answered 503",
+        help="Most open HTTP connections; more are answered 503 (16 more are let in for "
+        "/health and /ready alone)",
+        ge=1,
+    )
+    max_requests_per_caller: int | None = setting(
+        None,
+        flag="--max-requests-per-caller",
+        help="Most requests of one caller (a user, or the token's holders) in the daemon's hands "
+        "at once, long-polls and bodies still arriving included; more are answered 429 "
+        "(/health and /ready never count)",
+        shown="a quarter of --max-connections",
         ge=1,
     )
     max_header_bytes: int = setting(
@@ -332,9 +342,9 @@ class DaemonSettings(BaseSettings):
                 self.token = SecretStr(read_token_file(self.token_file))
             except UnauthorizedError as exc:
                 raise ValueError(exc.detail) from exc
-            exposed = exposed_token_file(self.token_file)
-            if exposed is not None:
-                raise ValueError(exposed)
+            untrusted = untrusted_token_file(self.token_file)
+            if untrusted is not None:
+                raise ValueError(untrusted)
         if self.token is not None:
             try:
                 self.token = SecretStr(clean_token(self.token.get_secret_value()))
@@ -358,6 +368,12 @@ class DaemonSettings(BaseSettings):
                 "--model-id, or load the others over the API with their own ids"
             )
         return pairs
+
+    @property
+    def requests_per_caller(self) -> int:
+        """``--max-requests-per-caller``, by default a quarter of ``--max-connections``: well
+        below the connection cap, so one caller never holds them all."""
+        return self.max_requests_per_caller or max(1, self.max_connections // 4)
 
     @property
     def is_loopback(self) -> bool:

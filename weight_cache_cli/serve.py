@@ -186,7 +186,7 @@ def _run(settings: DaemonSettings, listener: socket.socket, stopped: list[int]) 
 
     from protocol.errors import KeeperUnavailableError
     from service.api.app import create_app
-    from service.api.server import server_config
+    from service.api.front.config import server_config
     from service.daemon import Daemon
 
     keep_responsive(settings.load_threads, settings.load_nice)

@@ -76,3 +76,40 @@ class HealthProbe:
         assert not self.failures, self.failures[:5]
         assert len(self.samples) >= self.min_samples
         assert self.max < GENEROUS_S, f"/health took {self.max:.3f} s"
+
+
+class FreshProbe:
+    """Asks ``path`` every ``interval_s`` on a new connection each time (as a kubelet's probe
+    does) until the block ends: how many were asked, and the failures (status or error)."""
+
+    def __init__(self, url: str, path: str = "/health", interval_s: float = 0.05) -> None:
+        self.url = url
+        self.path = path
+        self.interval_s = interval_s
+        self.asked = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fresh-probe", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.asked += 1
+            try:
+                r = httpx.get(f"{self.url}{self.path}", timeout=10)
+                if r.status_code != 200:
+                    self.failures.append(f"HTTP {r.status_code} {r.text[:80]}")
+            except httpx.HTTPError as exc:
+                self.failures.append(f"{type(exc).__name__}: {exc}")
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> FreshProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    @property
+    def answered(self) -> int:
+        return self.asked - len(self.failures)

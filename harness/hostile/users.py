@@ -116,19 +116,55 @@ def process_of(uid: int) -> Iterator[subprocess.Popen[bytes]]:
         victim.wait(30)
 
 
-def run_as(uid: int, gid: int, code: str, *args: str, groups: tuple[int, ...] = ()) -> str:
+def run_as(
+    uid: int,
+    gid: int,
+    code: str,
+    *args: str,
+    groups: tuple[int, ...] = (),
+    timeout_s: float = 30,
+    imports: tuple[str, ...] = (),
+) -> str:
     """What Python ``code`` (given ``args``) prints when run as ``uid`` and ``gid`` with the
     supplementary ``groups`` alone, else its error. The modules it uses are imported first, as
-    root (the checkout's environment need not be readable by that user)."""
+    root (the checkout's environment need not be readable by that user), and ``imports``
+    with them."""
     drop = (
-        "import os, socket, sys\n"
+        f"import {', '.join(('os', 'socket', 'sys', *imports))}\n"
         f"os.setgroups({list(groups)!r}); os.setgid({gid}); os.setuid({uid})\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", drop + code, *args],
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=timeout_s,
         check=False,
     )
     return out.stdout.strip() or out.stderr.strip()
+
+
+def run_attacker(uid: int, name: str, groups: tuple[int, ...] = (), **args: Any) -> dict[str, Any]:
+    """What :mod:`harness.hostile.attackers`' ``name`` saw, run with ``args`` as ``uid`` (its
+    group ``uid`` too) and the supplementary ``groups``: bytes as latin-1 text, as JSON carries
+    them."""
+    wire = {k: v.decode("latin-1") if isinstance(v, bytes) else v for k, v in args.items()}
+    kinds: dict[str, tuple[bytes, int]] = args.get("kinds", {})
+    if kinds:
+        wire["kinds"] = {k: (head.decode("latin-1"), n) for k, (head, n) in kinds.items()}
+    code = "from harness.hostile.attackers import main\nmain()\n"
+    seconds = float(args.get("seconds", 0))
+    out = run_as(
+        uid,
+        uid,
+        code,
+        name,
+        json.dumps(wire),
+        groups=groups,
+        timeout_s=seconds + 60,
+        imports=("harness.hostile.attackers",),
+    )
+    try:
+        answer: dict[str, Any] = json.loads(out.splitlines()[-1])
+    except (IndexError, ValueError):
+        raise AssertionError(f"the attacker {name} failed: {out[-2000:]}") from None
+    return answer

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Mapping
+from array import array
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,28 +154,39 @@ def _row_parallel(prefix: str, output_size: int, input_size: int, bias: bool) ->
     return LinearSpec(prefix, Parallelism.ROW, shards, input_size, bias)
 
 
+def layer_linear_specs(dims: ModelDims, i: int) -> list[LinearSpec]:
+    """The linear layers of decoder layer ``i``, in the order vLLM creates them."""
+    h, inter = dims.hidden_size, dims.intermediate_size
+    attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+    qkv = (
+        ShardSpec(f"{attn}.q_proj", "q", dims.q_size),
+        ShardSpec(f"{attn}.k_proj", "k", dims.kv_size),
+        ShardSpec(f"{attn}.v_proj", "v", dims.kv_size),
+    )
+    gate_up = (
+        ShardSpec(f"{mlp}.gate_proj", "0", inter),
+        ShardSpec(f"{mlp}.up_proj", "1", inter),
+    )
+    return [
+        LinearSpec(f"{attn}.qkv_proj", Parallelism.QKV, qkv, h, dims.qkv_bias),
+        _row_parallel(f"{attn}.o_proj", h, dims.q_size, False),
+        LinearSpec(f"{mlp}.gate_up_proj", Parallelism.MERGED_COLUMN, gate_up, h, dims.mlp_bias),
+        _row_parallel(f"{mlp}.down_proj", h, inter, dims.mlp_bias),
+    ]
+
+
 def linear_specs(dims: ModelDims) -> list[LinearSpec]:
     """Every linear layer of the decoder stack, in the order vLLM creates them."""
-    specs: list[LinearSpec] = []
-    h, inter = dims.hidden_size, dims.intermediate_size
-    for i in range(dims.num_hidden_layers):
-        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        qkv = (
-            ShardSpec(f"{attn}.q_proj", "q", dims.q_size),
-            ShardSpec(f"{attn}.k_proj", "k", dims.kv_size),
-            ShardSpec(f"{attn}.v_proj", "v", dims.kv_size),
-        )
-        gate_up = (
-            ShardSpec(f"{mlp}.gate_proj", "0", inter),
-            ShardSpec(f"{mlp}.up_proj", "1", inter),
-        )
-        specs += [
-            LinearSpec(f"{attn}.qkv_proj", Parallelism.QKV, qkv, h, dims.qkv_bias),
-            _row_parallel(f"{attn}.o_proj", h, dims.q_size, False),
-            LinearSpec(f"{mlp}.gate_up_proj", Parallelism.MERGED_COLUMN, gate_up, h, dims.mlp_bias),
-            _row_parallel(f"{mlp}.down_proj", h, inter, dims.mlp_bias),
-        ]
-    return specs
+    return [spec for i in range(dims.num_hidden_layers) for spec in layer_linear_specs(dims, i)]
+
+
+def layer_weight_names(dims: ModelDims, i: int) -> list[str]:
+    """The checkpoint's linear weights decoder layer ``i`` is made of."""
+    return [
+        f"{shard.checkpoint_prefix}.weight"
+        for spec in layer_linear_specs(dims, i)
+        for shard in spec.shards
+    ]
 
 
 def kv_scale_names(dims: ModelDims) -> dict[str, tuple[str, ...]]:
@@ -193,22 +206,96 @@ def kv_scale_names(dims: ModelDims) -> dict[str, tuple[str, ...]]:
 _LAYER = re.compile(r"^model\.layers\.(\d{1,9})\.")
 
 
-def check_dims(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
-    """Refuse a config whose sizes no tensor in the headers has, before anything is planned.
+# The least a safetensors header spends on one tensor besides its name: quotes, colon, comma
+# and the shortest entry the format allows.
+_MIN_ENTRY_BYTES = len('"":{"dtype":"U8","shape":[],"data_offsets":[0,0]},')
 
-    A config drives how much is planned (``num_hidden_layers`` layers of specs): a lying one
-    must cost milliseconds, not a plan per promised layer. Each size must show in at least one
-    tensor that defines it; a single tensor of the wrong shape is left for the planner to name.
-    """
-    _check_layer_count(dims, shapes, source)
-    _check_linear_weights_present(dims, shapes)
+
+def check_header_room(dims: ModelDims, header_bytes: int, source: str) -> None:
+    """Before a header is read: the linear weights of the layers the config promises, each at
+    the least bytes a header can spend on it, must fit in the headers' lengths."""
+    per_layer = sum(len(name) + _MIN_ENTRY_BYTES for name in layer_weight_names(dims, 0))
+    if dims.num_hidden_layers * per_layer > header_bytes:
+        raise InvalidConfigError(
+            f"config.json says num_hidden_layers is {dims.num_hidden_layers}: their linear "
+            f"weights need at least {dims.num_hidden_layers * per_layer} bytes of safetensors "
+            f"headers, which hold {header_bytes}",
+            file=source,
+            field="num_hidden_layers",
+        )
+
+
+_NAMED_LAYER = re.compile(rb'"model\.layers\.(\d{1,9})\.')
+_ENTRY = b'"data_offsets"'  # once in every tensor's entry
+
+
+def check_raw_headers(dims: ModelDims, headers: Sequence[bytes], source: str) -> None:
+    """What the config promises, against the safetensors headers as bytes, before an object is
+    built per tensor (parsing tens of thousands of entries, several loads at once, leaves the
+    daemon's heap scattered long after they are freed): at least as many tensors as the
+    promised layers' linear weights, no layer past the promised ones, and each layer named by
+    at least as many tensors as its linear weights. The bytes can only overcount (a metadata
+    value may repeat a name), so what passes here is checked again by name once parsed
+    (:func:`check_layers`); headers that list no tensor at all are left for the parse to
+    call corrupt."""
+    needed = len(layer_weight_names(dims, 0))
+    layers = dims.num_hidden_layers
+    entries = sum(raw.count(_ENTRY) for raw in headers)
+    if not entries:
+        return  # no tensor listing at all: the parse says what is wrong with the headers
+    if layers * needed > entries:
+        raise InvalidConfigError(
+            f"config.json says num_hidden_layers is {layers}: {layers * needed} linear weights, "
+            f"but the safetensors headers hold at most {entries} tensors",
+            file=source,
+            field="num_hidden_layers",
+        )
+    named = array("L", bytes(layers * array("L").itemsize))  # tensors named per layer
+    for raw in headers:
+        for match in _NAMED_LAYER.finditer(raw):
+            i = int(match.group(1))
+            if i >= layers:
+                raise InvalidConfigError(
+                    f"config.json says num_hidden_layers is {layers}, the safetensors headers "
+                    f"name layer {i}",
+                    file=source,
+                    field="num_hidden_layers",
+                )
+            named[i] += 1
+    short = next((i for i, n in enumerate(named) if n < needed), None)
+    if short is not None:
+        raise InvalidConfigError(
+            f"the safetensors headers name {named[short]} tensors of layer {short}, fewer than "
+            f"its {needed} linear weights (config.json says num_hidden_layers is {layers})",
+            file=source,
+            field="num_hidden_layers",
+        )
+
+
+def check_dims(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
+    """Refuse a config whose layers or sizes the headers do not hold, before anything is
+    planned (:func:`check_layers`, then :func:`_check_sizes`)."""
+    check_layers(dims, shapes, source)
     _check_sizes(dims, shapes, source)
 
 
-def _check_layer_count(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
-    """``num_hidden_layers`` is the number of layers the headers name, each of them present."""
-    layers = {int(m.group(1)) for name in shapes if (m := _LAYER.match(name))}
-    found = max(layers) + 1 if layers else 0
+def check_layers(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
+    """A config drives how much is planned (``num_hidden_layers`` layers of specs): a lying one
+    must cost what the headers hold, not a plan per promised layer. So, before any spec is
+    built: the layers the headers name must be the layers promised, every one of them, each
+    with at least as many tensors as its linear weights, and then, layer by layer (stopping at
+    the first that lacks one), those weights by name."""
+    per_layer = _check_layer_count(dims, shapes, source)
+    _check_linear_weights_present(dims, shapes, per_layer)
+
+
+def _check_layer_count(
+    dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: str
+) -> Counter[int]:
+    """``num_hidden_layers`` is the number of layers the headers name, each of them present;
+    how many tensors the headers name of each."""
+    per_layer = Counter(int(m.group(1)) for name in shapes if (m := _LAYER.match(name)))
+    found = max(per_layer) + 1 if per_layer else 0
     if dims.num_hidden_layers != found:
         raise InvalidConfigError(
             f"config.json says num_hidden_layers is {dims.num_hidden_layers}, the safetensors "
@@ -217,24 +304,31 @@ def _check_layer_count(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], s
             field="num_hidden_layers",
         )
     # Every promised layer must be there with its weights, or a single tensor named for the
-    # last layer would have a lying config planned in full. Both loops (this one and
-    # _check_linear_weights_present's) stop at the first gap, so they cost no more than the
-    # headers hold.
-    if len(layers) != found:
-        gap = next(i for i in range(found) if i not in layers)
+    # last layer would have a lying config planned in full. Each loop (this one and
+    # _check_linear_weights_present's) stops at the first layer that falls short, so none
+    # costs more than the headers hold.
+    if len(per_layer) != found:
+        gap = next(i for i in range(found) if i not in per_layer)
         raise InvalidConfigError(
             f"config.json says num_hidden_layers is {dims.num_hidden_layers}, but the safetensors "
-            f"headers hold no tensor of layer {gap} (they name {len(layers)} layers)",
+            f"headers hold no tensor of layer {gap} (they name {len(per_layer)} layers)",
             file=source,
             field="num_hidden_layers",
         )
+    return per_layer
 
 
-def _check_linear_weights_present(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]]) -> None:
-    """Every linear layer's weight is in the headers (``num_hidden_layers`` checked first)."""
-    for spec in linear_specs(dims):
-        for shard in spec.shards:
-            name = f"{shard.checkpoint_prefix}.weight"
+def _check_linear_weights_present(
+    dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], per_layer: Counter[int]
+) -> None:
+    """Every linear layer's weight is in the headers (``num_hidden_layers`` checked first):
+    the first layer that names fewer tensors than its linear weights alone, if there is one,
+    else every layer."""
+    needed = len(layer_weight_names(dims, 0))
+    found = dims.num_hidden_layers
+    short = next((i for i in range(found) if per_layer[i] < needed), None)
+    for i in range(found) if short is None else (short,):
+        for name in layer_weight_names(dims, i):
             if name not in shapes:
                 raise MissingTensorError(
                     "a linear layer's weight is not in the checkpoint", tensor=name
@@ -252,7 +346,8 @@ def _sizes_in(shapes: Mapping[str, tuple[int, ...]], *names_axes: tuple[str, int
 
 
 def _check_sizes(dims: ModelDims, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
-    """Each size of the config shows in at least one of the tensors that carry it."""
+    """Each size the config gives must show in at least one tensor that defines it; a single
+    tensor of the wrong shape is left for the planner to name."""
     attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
     evidence = {
         "hidden_size": (

@@ -20,7 +20,13 @@ from typing import Any
 
 import torch
 
-from modelopt_fp8.checkpoint.architecture import ModelDims, check_dims, read_dims
+from modelopt_fp8.checkpoint.architecture import (
+    ModelDims,
+    check_dims,
+    check_header_room,
+    check_raw_headers,
+    read_dims,
+)
 from modelopt_fp8.checkpoint.fingerprint import checkpoint_digests, full_digest, identity_files
 from modelopt_fp8.checkpoint.opened import (
     CheckpointDir,
@@ -43,6 +49,11 @@ from modelopt_fp8.checkpoint.safetensors_files import (
 )
 from protocol.errors import CheckpointNotFoundError
 from protocol.schemas.manifest import CheckpointDigests
+
+# Headers this small cost under a millisecond to parse: they are parsed as they are, so what is
+# wrong with them is said precisely (a corrupt header as corrupt). Larger ones are first held
+# against what the config promises, by their lengths and then their bytes.
+PARSED_AS_THEY_ARE = 64 * 1024
 
 
 def _read_json(file: OpenedFile) -> tuple[bytes, dict[str, Any]]:
@@ -73,8 +84,15 @@ class Checkpoint:
     _read_files: dict[str, ReadFile] = field(repr=False)  # configs and index, as read
 
     @classmethod
-    def open(cls, path: str | Path, policy: PathPolicy | None = None) -> Checkpoint:
-        """Open and validate; ``policy`` limits where files may be read from (default: any)."""
+    def open(
+        cls,
+        path: str | Path,
+        policy: PathPolicy | None = None,
+        claim_headers: Callable[[int], None] | None = None,
+    ) -> Checkpoint:
+        """Open and validate; ``policy`` limits where files may be read from (default: any);
+        ``claim_headers`` is told how many bytes of safetensors headers will be parsed, before
+        any is (it may wait for room, or refuse)."""
         directory = CheckpointDir.open(path, policy)
         files: list[OpenedFile] = []
         try:
@@ -91,7 +109,18 @@ class Checkpoint:
             quant = quant_config_from(directory.path, config, hf_data)
             dims = read_dims(config, source)
             files, weight_map = weight_files(directory)
-            tensors, headers = index_tensors(files, weight_map)
+
+            def before_reading(header_bytes: int) -> None:
+                if header_bytes > PARSED_AS_THEY_ARE:
+                    check_header_room(dims, header_bytes, source)
+                if claim_headers is not None:
+                    claim_headers(header_bytes)
+
+            def before_parsing(raws: list[bytes]) -> None:
+                if sum(map(len, raws)) > PARSED_AS_THEY_ARE:
+                    check_raw_headers(dims, raws, source)
+
+            tensors, headers = index_tensors(files, weight_map, before_reading, before_parsing)
             check_dims(dims, {name: info.shape for name, info in tensors.items()}, source)
             read_files = directory.read_files()
         except BaseException:

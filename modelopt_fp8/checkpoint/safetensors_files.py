@@ -12,6 +12,7 @@ checkpoint fingerprint.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,12 @@ from modelopt_fp8.checkpoint.opened import CheckpointDir, OpenedFile, parse_json
 from protocol.errors import CorruptFileError, InvalidConfigError, MissingTensorError
 
 INDEX_FILE = "model.safetensors.index.json"
-# Far larger than any real header (a 70B model's is ~100 KB, a dense model lists a few thousand
-# tensors): they bound what a lying header can cost to parse and hold, per file and in all.
+# Far larger than any real checkpoint (a 70B model's headers are ~100 KB in all, a dense model
+# lists a few thousand tensors in a few dozen files): they bound what lying headers can cost to
+# open, parse and hold, in all files together.
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_TENSORS = 65_536
+MAX_FILES = 1024
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
@@ -44,9 +47,10 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorInfo:
-    """Where a tensor lives and what its header says."""
+    """Where a tensor lives and what its header says (slotted: a checkpoint may list tens of
+    thousands, and each costs a fraction of a plain object)."""
 
     name: str
     file: Path
@@ -66,8 +70,8 @@ class TensorInfo:
         return self.numel * self.dtype.itemsize
 
 
-def read_header(file: OpenedFile) -> bytes:
-    """The JSON header bytes exactly as stored (for fingerprints), bounded in size."""
+def header_length(file: OpenedFile) -> int:
+    """The length of the file's JSON header, as its first 8 bytes say, bounded in size."""
     if file.size < 8:
         raise CorruptFileError("file shorter than the 8-byte header length", file=str(file.path))
     (length,) = struct.unpack("<Q", file.pread(0, 8))
@@ -77,7 +81,12 @@ def read_header(file: OpenedFile) -> bytes:
             f"{MAX_HEADER_BYTES}-byte limit",
             file=str(file.path),
         )
-    return file.pread(8, length)
+    return int(length)
+
+
+def read_header(file: OpenedFile, length: int | None = None) -> bytes:
+    """The JSON header bytes exactly as stored (for fingerprints), bounded in size."""
+    return file.pread(8, header_length(file) if length is None else length)
 
 
 def _shape(raw: Any) -> tuple[int, ...] | None:
@@ -96,7 +105,6 @@ def parse_header(
     neither holds the GIL nor memory past the bound."""
     where = str(file.path)
     data_start = 8 + len(raw)
-    spans: list[tuple[int, int, str]] = []
     infos: dict[str, TensorInfo] = {}
     seen_metadata = False
     refused = None
@@ -108,9 +116,7 @@ def parse_header(
                 continue
             if name in infos or name == "__metadata__":
                 raise CorruptFileError("header names this tensor twice", file=where, tensor=name)
-            info = _entry_info(file, name, entry, data_start)
-            spans.append((info.offset - data_start, info.offset - data_start + info.nbytes, name))
-            infos[name] = info
+            infos[name] = _entry_info(file, name, entry, data_start)
             if len(infos) > max_tensors:
                 raise HeaderJsonError(f"header lists more than {max_tensors} tensors")
     except HeaderJsonError as exc:
@@ -118,9 +124,9 @@ def parse_header(
     if refused is not None:
         # Raised outside the handler: the error a model keeps must not chain to a traceback
         # holding everything parsed so far.
-        del infos, spans
+        del infos
         raise CorruptFileError(refused, file=where)
-    _check_tiling(spans, data_start, file)
+    _check_tiling(infos, data_start, file)
     return infos
 
 
@@ -164,24 +170,29 @@ def _entry_info(file: OpenedFile, name: str, entry: Any, data_start: int) -> Ten
     return info
 
 
-def _check_tiling(spans: list[tuple[int, int, str]], data_start: int, file: OpenedFile) -> None:
+def _check_tiling(infos: dict[str, TensorInfo], data_start: int, file: OpenedFile) -> None:
     """The tensors' data must cover the file after the header exactly, without overlap."""
     where = str(file.path)
-    end = 0
-    for start, stop, name in sorted(spans):
-        if start != end:
+    end = data_start
+    for info in sorted(infos.values(), key=_by_offset_then_size):
+        if info.offset != end:
             raise CorruptFileError(
-                f"data offsets do not tile the data: {name} starts at {start}, expected {end}",
+                f"data offsets do not tile the data: {info.name} starts at "
+                f"{info.offset - data_start}, expected {end - data_start}",
                 file=where,
-                tensor=name,
+                tensor=info.name,
             )
-        end = stop
-    if data_start + end != file.size:
+        end += info.nbytes
+    if end != file.size:
         raise CorruptFileError(
-            f"data offsets cover {end} bytes but the file holds {file.size - data_start} "
-            "after the header (truncated or padded)",
+            f"data offsets cover {end - data_start} bytes but the file holds "
+            f"{file.size - data_start} after the header (truncated or padded)",
             file=where,
         )
+
+
+def _by_offset_then_size(info: TensorInfo) -> tuple[int, int]:
+    return info.offset, info.nbytes
 
 
 def weight_files(directory: CheckpointDir) -> tuple[list[OpenedFile], dict[str, str] | None]:
@@ -204,6 +215,11 @@ def weight_files(directory: CheckpointDir) -> tuple[list[OpenedFile], dict[str, 
             )
         weight_map = raw_map
         names = sorted(set(weight_map.values()))
+        if len(names) > MAX_FILES:
+            raise InvalidConfigError(
+                f"{INDEX_FILE} names {len(names)} files (at most {MAX_FILES})",
+                file=str(index_file.path),
+            )
         for name in names:
             if not name or "/" in name or "\0" in name or name in (".", ".."):
                 raise InvalidConfigError(
@@ -215,6 +231,11 @@ def weight_files(directory: CheckpointDir) -> tuple[list[OpenedFile], dict[str, 
         if not names:
             raise MissingTensorError(
                 "no .safetensors files in the checkpoint", file=str(directory.path)
+            )
+        if len(names) > MAX_FILES:
+            raise InvalidConfigError(
+                f"the checkpoint holds {len(names)} .safetensors files (at most {MAX_FILES})",
+                file=str(directory.path),
             )
     files: list[OpenedFile] = []
     try:
@@ -234,13 +255,30 @@ def weight_files(directory: CheckpointDir) -> tuple[list[OpenedFile], dict[str, 
 
 
 def index_tensors(
-    files: list[OpenedFile], weight_map: dict[str, str] | None
+    files: list[OpenedFile],
+    weight_map: dict[str, str] | None,
+    claim: Callable[[int], None] | None = None,
+    before_parse: Callable[[list[bytes]], None] | None = None,
 ) -> tuple[dict[str, TensorInfo], dict[str, bytes]]:
-    """Every tensor across the files (validated), and each file's raw header."""
+    """Every tensor across the files (validated), and each file's raw header. The headers'
+    lengths are read first and bounded together; ``claim`` is told their sum before a byte of
+    them is read (what parsing them will cost grows with it), and ``before_parse`` sees them
+    raw before an object is built per tensor (it may refuse them)."""
+    lengths = [header_length(file) for file in files]
+    if sum(lengths) > MAX_HEADER_BYTES:
+        raise CorruptFileError(
+            f"the headers of the {len(files)} files hold {sum(lengths)} bytes in all (at most "
+            f"{MAX_HEADER_BYTES})",
+            file=str(files[0].path.parent),
+        )
+    if claim is not None:
+        claim(sum(lengths))
+    raws = [read_header(file, length) for file, length in zip(files, lengths, strict=True)]
+    if before_parse is not None:
+        before_parse(raws)
     tensors: dict[str, TensorInfo] = {}
     headers: dict[str, bytes] = {}
-    for file in files:
-        raw = read_header(file)
+    for file, raw in zip(files, raws, strict=True):
         infos = parse_header(file, raw, MAX_TENSORS - len(tensors))
         headers[file.name] = raw
         for name, info in infos.items():

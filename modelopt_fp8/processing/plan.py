@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.checkpoint.architecture import linear_specs
+from modelopt_fp8.checkpoint.architecture import layer_linear_specs
 from modelopt_fp8.processing.carried_plan import CarriedPlan, plan_carried, plan_kv_scales
 from modelopt_fp8.processing.checked_reads import CheckedReads
 from modelopt_fp8.processing.linear_plan import LinearPlan, plan_linear
@@ -58,7 +58,12 @@ def plan_model(ckpt: Checkpoint, tp_size: int = 1, tp_rank: int = 0) -> ModelPla
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} outside [0, {tp_size})")
     reads = CheckedReads(ckpt)
-    linears = [plan_linear(reads, spec, tp_size, tp_rank) for spec in linear_specs(ckpt.dims)]
+    # Layer by layer: a layer that fails stops the planning before the next one's specs exist.
+    linears = [
+        plan_linear(reads, spec, tp_size, tp_rank)
+        for i in range(ckpt.dims.num_hidden_layers)
+        for spec in layer_linear_specs(ckpt.dims, i)
+    ]
     kv = plan_kv_scales(reads)
     carried = plan_carried(reads, tp_size, tp_rank) + kv
     return ModelPlan(ckpt.quant.quant_algo, tp_size, tp_rank, linears, carried, reads.scales)

@@ -92,6 +92,7 @@ from protocol.errors.parking import (
     TooManyUserParkedError,
 )
 from protocol.errors.requests import (
+    ChunksTooSmallError,
     HeadersTooLargeError,
     InvalidRequestError,
     MalformedRequestError,
@@ -101,6 +102,7 @@ from protocol.errors.requests import (
     PayloadTooLargeError,
     RequestTimeoutError,
     TooManyConnectionsError,
+    TooManyOpenRequestsError,
     UnauthorizedError,
 )
 
@@ -114,6 +116,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointUnreadableError",
+    "ChunksTooSmallError",
     "ClientNotVisibleError",
     "ClientNotYoursError",
     "ConflictError",
@@ -168,6 +171,7 @@ __all__ = [
     "TooManyLeasesError",
     "TooManyLoadsError",
     "TooManyModelsError",
+    "TooManyOpenRequestsError",
     "TooManyParkedError",
     "TooManyUserLeasesError",
     "TooManyUserParkedError",

@@ -44,6 +44,15 @@ class RequestTimeoutError(InvalidRequestError):
     hint = "send the whole request within --request-timeout seconds"
 
 
+class ChunksTooSmallError(InvalidRequestError):
+    """A chunked body whose chunks carry too little to pay for their framing."""
+
+    code = "chunks_too_small"
+    status = 400
+    title = "Body sent in chunks too small"
+    hint = "send the body with Content-Length, or in chunks of at least 256 bytes"
+
+
 class MalformedRequestError(InvalidRequestError):
     """Bytes that do not parse as HTTP/1.1 at all."""
 
@@ -87,3 +96,16 @@ class TooManyConnectionsError(WeightCacheError):
     status = 503
     title = "Too many open connections"
     hint = "retry; close idle connections (--max-connections raises the cap)"
+
+
+class TooManyOpenRequestsError(WeightCacheError):
+    """One caller (a user, or the token's holders) has its share of requests in the daemon's
+    hands already: long-polls and requests still arriving included."""
+
+    code = "too_many_open_requests"
+    status = 429
+    title = "Too many requests in progress for this caller"
+    hint = (
+        "wait for your requests in progress (long-polls included) to be answered "
+        "(--max-requests-per-caller raises the cap)"
+    )

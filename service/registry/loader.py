@@ -90,6 +90,9 @@ class LoadRequest:
     # and again with the full-tier digest once every byte was read.
     opened: Callable[[CheckpointIdentity], None]
     cuda_handles: str = "fd"  # GPU arenas: shareable allocations (fd) or legacy IPC (ipc)
+    # Told the bytes of safetensors headers the load will parse, before it reads them: may wait
+    # for room beside the other loads (:mod:`service.registry.header_budget`), or cancel.
+    claim_headers: Callable[[int], None] = lambda nbytes: None
 
     @classmethod
     def unmanaged(
@@ -263,7 +266,7 @@ def _with_full_digest(
 def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
     """Load every rank of a model; raises a typed error and holds nothing on failure."""
     arenas: list[Arena] = []
-    ckpt = Checkpoint.open(req.path, req.policy)
+    ckpt = Checkpoint.open(req.path, req.policy, req.claim_headers)
     identity = _identity(ckpt)
     req.opened(identity)
     run = _Run(req.model_id, progress)

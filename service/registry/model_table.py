@@ -32,6 +32,7 @@ from protocol.schemas.models import ModelState, default_model_id
 from service.memory.devices import resolve_placements
 from service.memory.shm import ArenaDir
 from service.memory.trim import give_back_freed_memory
+from service.registry.header_budget import HeaderBudget
 from service.registry.loader import LoadCancelled, LoadRequest, load_model
 from service.registry.models import ModelRecord
 from service.registry.readiness import readiness as decide_readiness
@@ -64,6 +65,8 @@ class ModelTable:
         self.on_startup_failure: Callable[[], None] | None = None
         self._threads: list[threading.Thread] = []
         self._draining: set[ModelRecord] = set()  # unloaded while loading, thread still running
+        self.header_budget = HeaderBudget()  # what the loads running at once may parse
+        self._header_claims: dict[ModelRecord, int] = {}
 
     # --- records -------------------------------------------------------------------------------
 
@@ -213,6 +216,7 @@ class ModelTable:
             reserve=lambda nbytes: self._reserve(record, nbytes),
             opened=lambda ckpt: self._opened(record, ckpt),
             cuda_handles=self.settings.cuda_handles,
+            claim_headers=lambda nbytes: self._claim_headers(record, nbytes),
         )
         thread = threading.Thread(
             target=self._run_load, args=(record, request), name=f"load-{model_id}", daemon=True
@@ -264,11 +268,19 @@ class ModelTable:
                     )
             record.reserved_bytes = nbytes
 
+    def _claim_headers(self, record: ModelRecord, nbytes: int) -> None:
+        """Wait for room in the header budget (an unload stops the wait); the claim lasts as
+        long as the load."""
+        if not self.header_budget.claim(nbytes, record.progress.cancelled):
+            raise LoadCancelled(f"model {record.id} was unloaded while waiting to load")
+        self._header_claims[record] = nbytes
+
     def _run_load(self, record: ModelRecord, request: LoadRequest) -> None:
         lower_priority()  # planning and hashing yield the CPU to requests, as the pool does
         try:
             self._load_into(record, request)
         finally:
+            self.header_budget.release(self._header_claims.pop(record, 0))
             with self.lock:
                 self._draining.discard(record)
             if record.state is not ModelState.ready:

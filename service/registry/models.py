@@ -96,7 +96,7 @@ class ModelRecord:
         ends so ends now. ``free_memory``: its arenas are released and its budget claim given
         back (engines keep what they mapped); the scrub keeps them, as leases hold them.
         Caller holds the daemon's lock."""
-        self.error = error
+        self.error = _without_frames(error)
         self.state = ModelState.failed
         if self.load_seconds is None:
             self.load_seconds = time.monotonic() - self.started_at
@@ -108,3 +108,12 @@ class ModelRecord:
         for rank in self.ranks:
             rank.arena.release()
         self.ranks = []
+
+
+def _without_frames(error: WeightCacheError) -> WeightCacheError:
+    """``error`` as a failed model keeps it: without its traceback and the errors it chains
+    to, whose frames hold everything the failed load had built (a hostile checkpoint's parsed
+    headers, say) for as long as the model stays listed. The log has the traceback."""
+    error.__traceback__ = None
+    error.__cause__ = error.__context__ = None
+    return error

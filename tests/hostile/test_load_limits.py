@@ -17,6 +17,7 @@ from harness.hostile.memory import RssBack
 from harness.hostile.probe import HealthProbe
 from harness.waiting import wait_for
 from service.api.app import create_app
+from service.registry.header_budget import HeaderBudget
 from tests.hostile.conftest import LIMITS, Hostile
 
 MODELS = int(LIMITS["WEIGHT_CACHE_MAX_MODELS"])
@@ -67,7 +68,8 @@ def test_a_load_flood_is_bounded(hostile: Hostile) -> None:
             hostile.settled(f"flood-{i}")
         for i in accepted:
             hostile.unload(f"flood-{i}")
-    assert codes <= {"too_many_loads", "too_many_models"}, codes
+    # 16 at once from one caller: past its share of requests in hand (8), refused too.
+    assert codes <= {"too_many_loads", "too_many_models", "too_many_open_requests"}, codes
     assert "too_many_models" in codes
     assert 0 < len(accepted) <= MODELS
     # Threads: the routes' worker threads (anyio's limit, 40), two loads at once and the
@@ -98,3 +100,33 @@ def test_loads_at_once_are_capped_with_a_retry_after(
         held_load.set()
         wait_for(lambda: {m["state"] for m in client.get("/v1/models").json()} == {"ready"}, 30)
         assert client.post("/v1/models", json={"path": str(tiny_fp8), "id": "c"}).status_code == 202
+
+
+def test_loads_at_once_share_a_budget_of_headers(
+    tmp_path: Path, tiny_fp8: Path, held_load: threading.Event
+) -> None:
+    """Loads whose safetensors headers together pass the budget (here one load's fill it): the
+    next one waits before it reads a header, an unload ends its wait, and once the first load
+    ends the next one runs."""
+    settings = make_settings(tmp_path, [], allowed_roots=[tiny_fp8.parent], max_concurrent_loads=4)
+    app = create_app(settings)
+    budget = app.state.daemon.models.header_budget = HeaderBudget(1)
+
+    def model(name: str) -> dict:
+        info: dict = client.get(f"/v1/models/{name}").json()
+        return info
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        for name in ("a", "b", "c"):
+            r = client.post("/v1/models", json={"path": str(tiny_fp8), "id": name})
+            assert r.status_code == 202
+        wait_for(lambda: budget.held == 1 and budget.waiting == 2, 30)
+        waiting = [n for n in ("a", "b", "c") if model(n)["fingerprint"] is None]
+        assert len(waiting) == 2  # not opened: no header read
+        assert client.delete(f"/v1/models/{waiting[0]}").status_code == 204
+        wait_for(lambda: budget.waiting == 1, 30)
+        held_load.set()
+        wait_for(
+            lambda: {model(n)["state"] for n in ("a", "b", "c") if n != waiting[0]} == {"ready"}, 30
+        )
+        assert budget.held == 0 and budget.waiting == 0

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from harness.daemon_process import start_daemon
 from harness.hostile.probe import HealthProbe
-from harness.hostile.users import NOBODY, run_as
+from harness.hostile.users import NOBODY, needs_root, run_as
 from service.memory.shm import FILE_PREFIX, arena_dir_path
 from tests.hostile.conftest import Hostile
 from weight_cache_cli import cli
@@ -46,6 +46,27 @@ def test_a_weak_token_cannot_expose_the_daemon(token: str, tmp_path: Path) -> No
     )
     assert result.exit_code == 2  # refused before anything binds
     assert "token" in result.output
+
+
+@needs_root
+def test_a_token_file_another_user_owns_is_refused(tmp_path: Path) -> None:
+    """A 0600 token file of another user (who knows the token, and may change it) was
+    accepted: the daemon refuses to start on it; the daemon's own user's or root's is taken."""
+    from service.settings import DaemonSettings
+
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-0123456789\n")
+    token.chmod(0o600)
+    os.chown(token, NOBODY, NOBODY)
+    result = CliRunner().invoke(
+        cli,
+        ["serve", "--token-file", str(token), "--shm-dir", str(tmp_path), "--device", "cpu"],
+        env={"WEIGHT_CACHE_CACHE_DIR": str(tmp_path)},
+    )
+    assert result.exit_code == 2  # refused before anything binds
+    assert f"belongs to uid {NOBODY}" in result.output
+    os.chown(token, 0, 0)
+    assert DaemonSettings(token_file=token).token is not None
 
 
 def test_401_says_how_to_authenticate(tmp_path: Path, tiny_fp8: Path) -> None:
