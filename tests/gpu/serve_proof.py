@@ -583,7 +583,9 @@ class ServeProof:
                     )
                     engines.append(replacement)
                 self.stream_until(stream, 3, killed, "after the kill")
-                after = [a for a in stream.answers() if a.ok and a.ended > killed]
+                # Sent after the kill: one in flight then may end just after it, answered by the
+                # engine that was killed.
+                after = [a for a in stream.answers() if a.ok and a.started >= killed]
                 first_ok = min(a.ended for a in after)
                 entry["kill_to_first_token_s"] = round(first_ok - killed, 3)
                 figures = standby_figures(sleeper.process.lines())
