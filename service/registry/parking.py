@@ -211,26 +211,15 @@ class ParkingLot:
         """Cancel the engine ``parked_id`` belongs to: its ranks fall back or fail."""
         with self.lock:
             entry = self._find(parked_id, caller)
-            members = self._members(entry.group)
-            for member in members:
-                if member.state is ParkState.parked:
-                    member.state = ParkState.cancelled
-                    member.expires_at = now + self.grace_s
-                    self._changed(member.id)
-            return members
+            return self._cancel_group(entry.group, now)
 
     def standby_engine_gone(self, group: str, holder_uid: int | None, now: float) -> None:
         """A sleeping standby's engine died (a lease of its group was reaped): it can take over
         no more, so it is cancelled, not released when the serving engine ends."""
         with self.lock:
             members = self._members(group)
-            if not members or not members[0].standby or members[0].holder_uid != holder_uid:
-                return
-            for member in members:
-                if member.state is ParkState.parked:
-                    member.state = ParkState.cancelled
-                    member.expires_at = now + self.grace_s
-                    self._changed(member.id)
+            if members and members[0].standby and members[0].holder_uid == holder_uid:
+                self._cancel_group(group, now)
 
     # --- engines that end --------------------------------------------------------------------
 
@@ -354,6 +343,16 @@ class ParkingLot:
             self._release_group(group, cause, now)
         if not self._waiting(key):
             del self._credits[key]  # ends are not banked for engines that park later
+
+    def _cancel_group(self, group: str, now: float) -> list[Parked]:
+        """Every rank of ``group`` still waiting is cancelled (it falls back, fails or stops)."""
+        members = self._members(group)
+        for member in members:
+            if member.state is ParkState.parked:
+                member.state = ParkState.cancelled
+                member.expires_at = now + self.grace_s
+                self._changed(member.id)
+        return members
 
     def _release_group(self, group: str, cause: ReleaseCause, now: float) -> list[Parked]:
         members = self._members(group)

@@ -116,10 +116,10 @@ class WaitingCaps:
             return
         # Per process, engines (groups) count: a warm standby registers every rank of its
         # engine from one process, a parked engine's ranks each from their own.
-        mine = len({r.group for r in kept if r.watched_pid == pid})
-        if mine >= self.per_client and group not in {r.group for r in kept if r.watched_pid == pid}:
+        groups = {r.group for r in kept if r.watched_pid == pid}
+        if group not in groups and len(groups) >= self.per_client:
             raise TooManyClientParkedError(
-                f"process {pid} has {mine} {what}", client_pid=pid, limit=self.per_client
+                f"process {pid} has {len(groups)} {what}", client_pid=pid, limit=self.per_client
             )
 
 
