@@ -316,8 +316,7 @@ class Daemon:
     def watched_processes(self) -> set[tuple[int, int]]:
         """(PID, start) of every process whose end the sweep acts on: lease holders and
         waiting engines."""
-        with self.lock:
-            return set(self.leases.watched()) | self.waiting.watched()
+        return self.leases.watched_along(self.waiting)
 
     def sweep(self) -> None:
         """End expired leases and those whose client died, and forget waiting engines that are

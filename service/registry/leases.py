@@ -278,6 +278,15 @@ class LeaseTable:
                 watched.append((pid, start))
         return watched
 
+    def watched_along(self, *others: SweptAlong) -> set[tuple[int, int]]:
+        """(PID, start) of every process whose end the sweep acts on: the lease holders and
+        those ``others`` watch."""
+        with self.lock:
+            watched = set(self.watched())
+            for other in others:
+                watched |= other.watched()
+            return watched
+
     def reap(self, pid: int, start: int) -> list[tuple[Lease, LeaseEnd]]:
         """End every lease of the (dead) process ``pid`` that started at ``start``."""
         ended = []
@@ -298,10 +307,9 @@ class LeaseTable:
         engines parked behind it."""
         with self.lock:
             ended = self.expire(now)
-            watched = set(self.watched())
             for other in others:
                 other.expire(now)
-                watched |= other.watched()
+            watched = self.watched_along(*others)
         dead = [(pid, start) for pid, start in sorted(watched) if not process_alive(pid, start)]
         if dead:
             with self.lock:
