@@ -5,7 +5,10 @@ dead holder up to ``--reaper-interval`` later (a second by default), most of the
 budget. The kernel says it at once: a pidfd (``pidfd_open``) turns readable when its process
 exits. One thread polls a pidfd per watched process (lease holders and waiting engines, as
 ``(pid, start time)``) and runs the sweep as soon as one ends; the sweep then decides, with its
-``/proc`` check, what ended. Where pidfds are not available (Linux before 5.3, a seccomp
+``/proc`` check, what ended. It holds at most ``max_pidfds`` descriptors (a neighbour with many
+leases or registrations, each from a process of its own, must not take the daemon's descriptors
+from its connections): processes past that are noticed by the periodic sweep alone. Where pidfds
+are not available (Linux before 5.3, a seccomp
 profile that refuses the call) the periodic sweep alone remains, as before.
 """
 
@@ -23,6 +26,7 @@ from service.memory.devices import process_alive
 log = get_logger(__name__)
 
 REFRESH_S = 0.5  # the watched set is read again at least this often
+MAX_PIDFDS = 256  # descriptors held at most; beyond, the periodic sweep notices ends
 
 
 class ExitWatch:
@@ -31,10 +35,13 @@ class ExitWatch:
         watched: Callable[[], set[tuple[int, int]]],
         on_exit: Callable[[], object],
         refresh_s: float = REFRESH_S,
+        max_pidfds: int = MAX_PIDFDS,
     ) -> None:
         self.watched = watched  # (pid, start) of every process whose end matters
         self.on_exit = on_exit  # the sweep
         self.refresh_s = refresh_s
+        self.max_pidfds = max_pidfds
+        self._past_cap = 0  # processes not watched here at the last refresh (logged on change)
         self._fds: dict[tuple[int, int], int] = {}
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -97,8 +104,19 @@ class ExitWatch:
         wanted = self.watched()
         for key in [k for k in self._fds if k not in wanted]:
             os.close(self._fds.pop(key))
+        room = max(0, self.max_pidfds - len(self._fds))
+        new = sorted(wanted - self._fds.keys())
+        if len(new) - room != self._past_cap:
+            self._past_cap = max(0, len(new) - room)
+            if self._past_cap:
+                log.warning(
+                    "exit watch: %d process(es) past the %d watched through pidfds: their end "
+                    "is noticed by the periodic sweep",
+                    self._past_cap,
+                    self.max_pidfds,
+                )
         ended = False
-        for pid, start in wanted - self._fds.keys():
+        for pid, start in new[:room]:
             try:
                 fd = os.pidfd_open(pid)
             except ProcessLookupError:

@@ -89,3 +89,29 @@ def test_processes_no_longer_watched_are_let_go(watched) -> None:
     process.kill()
     process.wait(10)
     assert state.sweeps == 0
+
+
+def test_it_holds_no_more_descriptors_than_its_cap() -> None:
+    """A neighbour's many processes cannot take the daemon's descriptors: past the cap, a
+    process is left to the periodic sweep (its end runs no sweep here)."""
+    state = Watched()
+    watch = ExitWatch(state.current, state.sweep, refresh_s=3600, max_pidfds=1)
+    assert watch.start()
+    processes = [sleeper(), sleeper()]
+    try:
+        keys = sorted((p.pid, start_of(p.pid) or 0) for p in processes)
+        with state.lock:
+            state.processes.update(keys)
+        watch.poke()
+        wait_for(lambda: set(watch._fds) == {keys[0]}, 10, what="one process watched")
+        unwatched = next(p for p in processes if p.pid == keys[1][0])
+        unwatched.kill()
+        unwatched.wait(10)
+        watch.poke()
+        wait_for(lambda: set(watch._fds) == {keys[0]}, 10, what="the same one still watched")
+        assert state.sweeps == 0
+    finally:
+        watch.stop()
+        for p in processes:
+            p.kill()
+            p.wait(10)
