@@ -15,10 +15,10 @@ Both end at ``timeout_s``, with a warning: the engine then starts as it would ha
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 
+from engine_client.gpu_room import DeviceProcesses
 from protocol.logsafe import get_logger
 from protocol.processes import process_ended
 
@@ -32,22 +32,18 @@ def nvml_gpu_pids(device_index: int) -> Callable[[], list[int] | None]:
     """A reader of the PIDs NVML lists on CUDA device ``device_index`` (as torch numbers it),
     NVML and the device's handle opened once; it answers None where NVML cannot be read or its
     PIDs are not of this PID namespace (this process is not among them)."""
+    from protocol.devices import cuda_uuid
+
     try:
-        import pynvml  # type: ignore[import-not-found]
-
-        from protocol.devices import cuda_uuid
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByUUID(cuda_uuid(device_index))
-    except Exception:  # not installed, no driver access: nothing to tell
+        processes = DeviceProcesses.open(cuda_uuid(device_index))
+    except Exception:  # no CUDA device by that number: nothing to tell
+        return lambda: None
+    if processes is None:
         return lambda: None
 
     def listed() -> list[int] | None:
-        try:
-            pids = [int(p.pid) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
-        except Exception:  # the driver stopped answering: nothing more to tell
-            return None
-        return pids if os.getpid() in pids else None
+        used = processes.used()
+        return None if used is None else list(used)
 
     return listed
 

@@ -118,41 +118,49 @@ def wait_for_room(needed: dict[str, int], timeout_s: float = 30.0) -> float:
             time.sleep(POLL_S)
 
 
-class OwnUsage:
-    """This process's GPU bytes on one device as NVML counts them (its context, its allocator
-    pools, its cuMem allocations; not the daemon's weights it maps), NVML opened once for the
-    reader's life. :meth:`open` answers None where NVML cannot be read or does not list this
-    process (another PID namespace)."""
+class DeviceProcesses:
+    """The processes NVML lists on one GPU and the bytes each holds there (its context, its
+    allocator pools, its cuMem allocations; not memory it maps from another process), NVML and
+    the device's handle opened once for the reader's life. :meth:`open` answers None where NVML
+    cannot be read or does not list this process (its PIDs are of another PID namespace)."""
 
     def __init__(self, nvml: Any, handle: Any) -> None:
         self._nvml = nvml
         self._handle = handle
-        self._pid = os.getpid()
 
     @classmethod
-    def open(cls, uuid: str) -> OwnUsage | None:
+    def open(cls, uuid: str) -> DeviceProcesses | None:
         nvml = _pynvml()
         if nvml is None:
             return None
         try:
             nvml.nvmlInit()
             reader = cls(nvml, nvml.nvmlDeviceGetHandleByUUID(uuid))
-            if reader.read() is None:
-                nvml.nvmlShutdown()
-                return None
         except Exception as exc:
             log.debug("NVML: %s", exc)
             return None
+        if reader.used() is None:
+            reader.close()
+            return None
         return reader
 
-    def read(self) -> int | None:
+    def used(self) -> dict[int, int | None] | None:
+        """Bytes per PID listed (None where NVML does not say); None if the driver stopped
+        answering or this process is not listed."""
         try:
-            for proc in self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle):
-                if proc.pid == self._pid:
-                    return None if proc.usedGpuMemory is None else int(proc.usedGpuMemory)
+            listed = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
         except Exception as exc:
             log.debug("NVML: %s", exc)
-        return None
+            return None
+        used = {
+            int(p.pid): None if p.usedGpuMemory is None else int(p.usedGpuMemory) for p in listed
+        }
+        return used if os.getpid() in used else None
+
+    def own(self) -> int | None:
+        """This process's bytes on the device."""
+        used = self.used()
+        return None if used is None else used[os.getpid()]
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -41,7 +41,7 @@ import torch
 
 from engine_client.client import ClientConfig
 from engine_client.freed_memory import wait_for_this_gpu
-from engine_client.gpu_room import OwnUsage
+from engine_client.gpu_room import DeviceProcesses
 from engine_client.loader_options import LoaderOptions
 from engine_client.parking import ParkingSpot, park_ahead
 from engine_client.startup_slot import take_startup_slot
@@ -112,15 +112,17 @@ def see_own_memory_while_sizing() -> None:
     """vLLM's readings of free memory see this process's own use alone until its warm-up ends
     (:func:`.internals.see_only_own_memory`), where NVML counts this process."""
     index = torch.cuda.current_device()
-    usage = OwnUsage.open(cuda_uuid(index))
-    if usage is None:
+    usage = DeviceProcesses.open(cuda_uuid(index))
+    if usage is None or usage.own() is None:  # not listed, or its bytes not counted
+        if usage is not None:
+            usage.close()
         log.warning(
-            "weight-cache: NVML does not list this process here: vLLM sizes this engine's KV "
+            "weight-cache: NVML does not count this process here: vLLM sizes this engine's KV "
             "cache from the whole GPU's free memory, which engines starting or ending beside "
             "it change"
         )
         return
-    restore = see_only_own_memory(usage.read, index)
+    restore = see_only_own_memory(usage.own, index)
 
     def done() -> None:
         restore()
