@@ -70,6 +70,52 @@ def _park(spot: ParkingSpot) -> ApiCall[ParkedEngine]:
     )
 
 
+class RegistrationWait:
+    """One engine's registration with the daemon, followed until it is released or cancelled: a
+    chain of long-polls. A daemon that cannot be reached is waited for; one that restarted (or
+    expired the registration) forgot it, so it is made again through ``register``. Shared by
+    parked engines and warm standbys (:mod:`engine_client.standby`)."""
+
+    def __init__(
+        self,
+        client: DaemonClient,
+        register: Callable[[], ParkedEngine],
+        poll_s: float,
+        entry: ParkedEngine | None = None,
+    ) -> None:
+        self.client = client
+        self.register = register  # registers (every rank) and answers the one to follow
+        self.poll_s = poll_s
+        self.entry = entry  # the registration followed; None until made
+
+    def until_settled(
+        self, until: float | None = None, alive: Callable[[], bool] = lambda: True
+    ) -> ParkedEngine | None:
+        """The registration once released or cancelled; None if the monotonic time ``until``
+        came, or ``alive`` turned false, first."""
+        while alive():
+            left = self.poll_s if until is None else until - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                if self.entry is None:
+                    self.entry = self.register()
+                else:
+                    wait_s = min(self.poll_s, left, MAX_WAIT_S)
+                    self.entry = self.client.send(PARKING.ask(self.entry.id, wait_s))
+            except DaemonUnavailableError as exc:
+                log.warning("weight-cache: waiting, daemon unreachable (%s); retrying", exc.detail)
+                time.sleep(min(RETRY_S, max(0.0, left)))
+                continue
+            except (DaemonRestartedError, ParkingNotFoundError) as exc:
+                log.warning("weight-cache: the daemon forgot this registration (%s)", exc.code)
+                self.entry = None
+                continue
+            if self.entry.state is not ParkState.parked:
+                return self.entry
+        return None
+
+
 def wait_until_released(
     config: ClientConfig,
     spot: Callable[[], ParkingSpot],
@@ -83,50 +129,39 @@ def wait_until_released(
     deadline = None if timeout_s is None else start + timeout_s
     # Each long-poll may take its wait plus a request's own time.
     polling = dataclasses.replace(config, timeout_s=config.timeout_s + min(poll_s, MAX_WAIT_S))
-    parked: ParkedEngine | None = None
     with DaemonClient(polling) as client:
-        while True:
-            left = poll_s if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                _give_up(client, parked)
-                raise ParkEndedError(
-                    f"not released within park_timeout ({timeout_s} s)",
-                    reason=Reason.park_timeout.value,
-                )
-            try:
-                if parked is None:
-                    parked = client.send(_park(spot()))
-                    log.info(
-                        "weight-cache: parked as %s (model %s, rank %d of %d, group %s): waiting "
-                        "to be released",
-                        parked.id,
-                        parked.model,
-                        parked.tp_rank,
-                        parked.tp_size,
-                        parked.group,
-                    )
-                parked = client.send(PARKING.ask(parked.id, min(poll_s, left, MAX_WAIT_S)))
-            except DaemonUnavailableError as exc:
-                log.warning("weight-cache: parked, daemon unreachable (%s); retrying", exc.detail)
-                time.sleep(min(RETRY_S, max(0.0, left)))
-                continue
-            except (DaemonRestartedError, ParkingNotFoundError) as exc:
-                log.warning("weight-cache: the daemon forgot this parked engine (%s)", exc.code)
-                parked = None  # a restarted daemon, or an expiry: park again
-                continue
-            if parked.state is ParkState.parked:
-                continue
-            _give_up(client, parked)
-            if parked.state is ParkState.cancelled:
-                raise ParkEndedError(
-                    "an operator cancelled this parked engine", reason=Reason.park_cancelled.value
-                )
+
+        def park() -> ParkedEngine:
+            parked = client.send(_park(spot()))
             log.info(
-                "weight-cache: released after %.1f s (%s)",
-                time.monotonic() - start,
-                parked.cause.value if parked.cause else "?",
+                "weight-cache: parked as %s (model %s, rank %d of %d, group %s): waiting "
+                "to be released",
+                parked.id,
+                parked.model,
+                parked.tp_rank,
+                parked.tp_size,
+                parked.group,
             )
             return parked
+
+        waiting = RegistrationWait(client, park, poll_s)
+        settled = waiting.until_settled(deadline)
+        _give_up(client, waiting.entry)
+        if settled is None:
+            raise ParkEndedError(
+                f"not released within park_timeout ({timeout_s} s)",
+                reason=Reason.park_timeout.value,
+            )
+        if settled.state is ParkState.cancelled:
+            raise ParkEndedError(
+                "an operator cancelled this parked engine", reason=Reason.park_cancelled.value
+            )
+        log.info(
+            "weight-cache: released after %.1f s (%s)",
+            time.monotonic() - start,
+            settled.cause.value if settled.cause else "?",
+        )
+        return settled
 
 
 def _give_up(client: DaemonClient, parked: ParkedEngine | None) -> None:

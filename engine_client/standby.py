@@ -33,11 +33,9 @@ from typing import TypeVar
 from engine_client.client import ClientConfig, DaemonClient
 from engine_client.engine_api import EngineApi
 from engine_client.gpu_room import given_back, held_by, wait_for_room
-from engine_client.parking import PARKING
+from engine_client.parking import PARKING, RETRY_S, RegistrationWait
 from protocol.errors import (
-    DaemonRestartedError,
     DaemonUnavailableError,
-    ParkingNotFoundError,
     WeightCacheError,
 )
 from protocol.logsafe import get_logger
@@ -48,8 +46,10 @@ log = get_logger(__name__)
 T = TypeVar("T")
 
 HEALTH_POLL_S = 0.02  # the proxy must not see it awake long before it sleeps
-RETRY_S = 1.0  # between attempts to reach a daemon that does not answer
 ASLEEP_LIMIT_BYTES = 2 << 30  # what a sleeping standby should hold at most, per GPU
+# Level 1: vLLM gives the KV cache back and keeps (in host memory) what its weights pool holds,
+# here only the runtime state: the weights are the daemon's, mapped, never vLLM's allocations.
+SLEEP_LEVEL = 1
 
 
 class Outcome(str, enum.Enum):
@@ -62,10 +62,8 @@ class Outcome(str, enum.Enum):
 class StandbyOptions:
     engine_url: str
     group: str  # also in the engine's environment: its leases carry it
-    sleep_level: int = 1
     model: str | None = None  # the daemon's model, where the engine holds no lease to tell it
     tp_size: int = 1  # likewise
-    health_timeout_s: float | None = None  # None: as long as the engine takes to start
     room_timeout_s: float = 30.0
     poll_s: float = 10.0  # one long-poll; the engine's end is noticed between polls
 
@@ -139,13 +137,11 @@ class _Standby:
     # --- the steps ---------------------------------------------------------------------------
 
     def _wait_healthy(self) -> bool:
-        timeout = self.options.health_timeout_s
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """Wait (as long as the engine takes to start) until it answers ``/health``; False if
+        it ended first."""
         while self.engine.alive():
             if self.api.healthy():
                 return True
-            if deadline is not None and time.monotonic() > deadline:
-                raise WeightCacheError(f"the engine did not answer /health within {timeout} s")
             time.sleep(HEALTH_POLL_S)
         return False
 
@@ -175,6 +171,10 @@ class _Standby:
         return lease.client_pid in set(self.engine.pids())
 
     def _register(self, spot: Spot) -> ParkState:
+        return self._registered(spot).state
+
+    def _registered(self, spot: Spot) -> ParkedEngine:
+        """Every rank registered (again, for a daemon that forgot them); the last, to follow."""
         self.registered = []
         for rank in range(spot.tp_size):
             request = ParkRequest(
@@ -196,7 +196,7 @@ class _Standby:
             self.options.group,
             self.registered[-1].state.value,
         )
-        return self.registered[-1].state
+        return self.registered[-1]
 
     def _registration(self, request: ParkRequest) -> Callable[[], ParkedEngine]:
         return lambda: self.client.send(PARKING.register(request))
@@ -205,14 +205,14 @@ class _Standby:
         """Sleep the engine; the GPU bytes it gave back, per device (empty where unknown)."""
         before = held_by(self.engine.pids())
         start = time.monotonic()
-        self.api.sleep(self.options.sleep_level)
+        self.api.sleep(SLEEP_LEVEL)
         slept_s = time.monotonic() - start
         after = held_by(self.engine.pids())
         needed = given_back(before, after)
         log.info(
             "weight-cache standby: asleep (level %d) in %.2f s; GPU bytes held before %s, "
             "asleep %s",
-            self.options.sleep_level,
+            SLEEP_LEVEL,
             slept_s,
             before,
             after,
@@ -229,29 +229,18 @@ class _Standby:
 
     def _wait_released(self, spot: Spot) -> ParkState | None:
         """Long-poll until released or cancelled; None if the engine ended meanwhile."""
-        while self.engine.alive():
-            entry = self.registered[-1]
-            try:
-                entry = self.client.send(PARKING.ask(entry.id, self.options.poll_s))
-            except DaemonUnavailableError as exc:
-                log.warning("weight-cache standby: daemon unreachable (%s); retrying", exc.detail)
-                time.sleep(RETRY_S)
-                continue
-            except (DaemonRestartedError, ParkingNotFoundError) as exc:
-                log.warning("weight-cache standby: the daemon forgot this standby (%s)", exc.code)
-                self.registered = []
-                if self._register(spot) is ParkState.released:
-                    return ParkState.released
-                continue
-            self.registered[-1] = entry
-            if entry.state is not ParkState.parked:
-                log.info(
-                    "weight-cache standby: %s (%s)",
-                    entry.state.value,
-                    entry.cause.value if entry.cause else "-",
-                )
-                return entry.state
-        return None
+        waiting = RegistrationWait(
+            self.client, lambda: self._registered(spot), self.options.poll_s, self.registered[-1]
+        )
+        settled = waiting.until_settled(alive=self.engine.alive)
+        if settled is None:
+            return None
+        log.info(
+            "weight-cache standby: %s (%s)",
+            settled.state.value,
+            settled.cause.value if settled.cause else "-",
+        )
+        return settled.state
 
     def _wake(self, needed: dict[str, int]) -> None:
         released = time.monotonic()
