@@ -2,7 +2,7 @@
 weights, compiled, CUDA graphs captured, KV cache sized), then put to sleep, holding little more
 than its CUDA context and graphs, until the daemon releases it: when the engine serving its
 model ends (its process gone, or its lease released), or when an operator asks. Then it wakes
-(its KV cache allocated again at the same addresses) and serves within about a second.
+(its KV cache allocated again at the same addresses) and serves.
 
 ``weight-cache standby -- vllm serve ...`` runs this beside the engine it starts:
 

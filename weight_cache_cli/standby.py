@@ -106,7 +106,7 @@ def standby(
     The engine starts all the way (attach, compile, CUDA graphs, KV cache), then, while another
     engine serves the same model, sleeps (its KV cache given back; vLLM's
     --enable-sleep-mode, on a GPU) until the daemon releases it: when the serving engine ends,
-    or on `weight-cache parking release ID`. It then wakes in about a second and serves; with
+    or on `weight-cache parking release ID`. It then wakes and serves; with
     no engine serving the model it serves at once. Put a proxy in front that sends nothing to
     a sleeping engine (docker/Caddyfile asks GET /is_sleeping). Start the same command again
     for the engine that ended: it becomes the next standby. `weight-cache parking cancel ID`
