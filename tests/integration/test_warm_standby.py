@@ -24,6 +24,7 @@ import pytest
 from harness.daemon_process import DaemonProcess, start_daemon
 from harness.waiting import wait_for
 from tests.deploy.test_caddy import CADDYFILE, Stream, caddy, distinct_free_ports
+from tests.gpu.caddy_proxy import proxy_environment
 
 CLI = [sys.executable, "-m", "weight_cache_cli"]
 pytestmark = pytest.mark.skipif(
@@ -99,15 +100,8 @@ def registrations(daemon: DaemonProcess) -> list[dict[str, Any]]:
 
 
 def start_proxy(port: int, upstreams: list[int], log: Path) -> subprocess.Popen[bytes]:
-    env = {
-        **os.environ,
-        "PROXY_PORT": str(port),
-        "ENGINE_UPSTREAMS": " ".join(f"127.0.0.1:{p}" for p in upstreams),
-        "PROXY_HEALTH_URI": "/is_sleeping",
-        "PROXY_HEALTH_BODY": "false",
-        "PROXY_HEALTH_INTERVAL": "100ms",
-        "PROXY_HEALTH_PASSES": "3",
-    }
+    """Caddy on docker/Caddyfile as the warm standby's deployments run it (asking /is_sleeping)."""
+    env = {**os.environ, **proxy_environment(port, upstreams, standby=True)}
     with log.open("wb") as out:
         return subprocess.Popen(
             [caddy(), "run", "--config", str(CADDYFILE), "--adapter", "caddyfile"],
