@@ -15,21 +15,19 @@ from typing import Any
 
 import httpx
 
-from bench.hostile_tools import Result, Target, connect
+from bench.hostile_tools import Result, Target, connect, send_until_answered
 from harness.hostile import attackers
 from harness.hostile.probe import FreshProbe
-from harness.hostile.sockets import read_all, send_until_closed, status_of
+from harness.hostile.sockets import read_all, status_in, status_of
 from harness.hostile.users import NOBODY, run_attacker
 from harness.waiting import poll
 from service.api.peer import tcp_socket
 
 
 def _big_header(target: Target) -> int:
-    s = connect(target)
-    send_until_closed(s, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ", b"a" * 65536, 100 << 20)
-    status = status_of(s)
-    s.close()
-    return status
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: "
+    _, answer = send_until_answered(target, head, b"a" * 65536, 100 << 20)
+    return status_in(answer)
 
 
 def one_header(target: Target, work: Path) -> Result:
@@ -49,15 +47,8 @@ def four_headers(target: Target, work: Path) -> Result:
 def trailers(target: Target, work: Path) -> Result:
     """A chunked body followed by a 200 MB trailer, as one unauthenticated connection (the
     probe sent 900 MB and grew the daemon by 876 MB, kept after close)."""
-    s = connect(target)
-    head = (
-        b"POST /v1/leases HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-        b"transfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-Trailer: "
-    )
-    sent = send_until_closed(s, head, b"a" * 65536, 200 << 20)
-    status = status_of(s)
-    s.close()
-    return 1, int(status == 431), f"431 after {sent >> 20} MiB of trailer sent"
+    sent, answer = send_until_answered(target, attackers.ENDLESS_TRAILER, b"a" * 65536, 200 << 20)
+    return 1, int(status_in(answer) == 431), f"431 after {sent >> 20} MiB of trailer sent"
 
 
 def slowloris(target: Target, work: Path) -> Result:
@@ -77,10 +68,7 @@ def _closed_with(s: socket.socket) -> int:
         data = read_all(s, until_closed=True)
     except TimeoutError:
         return -1
-    try:
-        return int(data.split(b" ", 2)[1]) if data else 0
-    except (IndexError, ValueError):
-        return 0
+    return status_in(data)
 
 
 def connection_flood(target: Target, work: Path) -> Result:
