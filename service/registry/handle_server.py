@@ -237,9 +237,13 @@ class HandleServer:
 
     def _refuse_now(self, conn: socket.socket, error: HandleRefusedError) -> None:
         """Refuse without waiting on the peer (its socket takes the few bytes, or nothing)."""
+        conn.setblocking(False)
+        self._refuse(conn, error)
+
+    def _refuse(self, conn: socket.socket, error: HandleRefusedError) -> None:
+        """Log, count and answer a refusal (an answer the peer does not take is dropped)."""
         log.warning("handle socket: %s", error.detail)
         self.on_refusal(error.code)
-        conn.setblocking(False)
         with contextlib.suppress(OSError):
             send_message(conn, HandleAnswer(ok=False, problem=error.problem_fields()))
 
@@ -248,8 +252,7 @@ class HandleServer:
     def _answer(self, conn: socket.socket, peer: Peer, payload: bytes) -> None:
         fd = -1
         try:
-            conn.setblocking(True)
-            conn.settimeout(ANSWER_S)
+            conn.settimeout(ANSWER_S)  # blocking again, within ANSWER_S per call
             try:
                 request = HandleRequest.model_validate_json(payload)
             except ValidationError as exc:
@@ -268,10 +271,7 @@ class HandleServer:
                 )
             send_message(conn, HandleAnswer(ok=True, size=size), [fd])
         except HandleRefusedError as exc:
-            log.warning("handle socket: %s", exc.detail)
-            self.on_refusal(exc.code)
-            with contextlib.suppress(OSError):
-                send_message(conn, HandleAnswer(ok=False, problem=exc.problem_fields()))
+            self._refuse(conn, exc)
         except OSError as exc:
             log.info("handle socket: an answer failed: %s", exc)
         finally:
