@@ -32,12 +32,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from protocol.errors import HandleRefusedError, WeightCacheError
 from protocol.fd_passing import (
     MAX_FDS,
     FramingError,
+    decode_message,
     framed_payload,
     peer_credentials,
     send_message,
@@ -254,9 +253,9 @@ class HandleServer:
         try:
             conn.settimeout(ANSWER_S)  # blocking again, within ANSWER_S per call
             try:
-                request = HandleRequest.model_validate_json(payload)
-            except ValidationError as exc:
-                raise _malformed(FramingError(exc.errors()[0]["msg"])) from None
+                request = decode_message(HandleRequest, payload)
+            except FramingError as exc:
+                raise _malformed(exc) from None
             try:
                 lease, fd, size = self.lookup(request.lease, request.arena)
             except WeightCacheError as exc:
