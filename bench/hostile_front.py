@@ -206,10 +206,28 @@ def allowed_flood(target: Target, work: Path) -> Result:
             "headers_only": (attackers.CHUNKED_POST + b"\r\n", 300),
             "silent": (b"", 400),
         }
-        with FreshProbe(target.url) as health, FreshProbe(target.url, "/ready") as ready:
-            seen = attackers.connection_flood(target.daemon.port, kinds, 15.0)
+        result = _probed_flood(target, kinds)
         # Once the daemon has let go of the flood's long-polls, the withdrawal is not refused.
         poll(lambda: client.delete(f"/v1/parking/{parked}").status_code in (204, 404), 30)
+    return result
+
+
+def busy_keep_alive(target: Target, work: Path) -> Result:
+    """300 keep-alive connections of one allowed user, past the cap of 256, each asking
+    /health again as soon as it is answered and made again as soon as the daemon closes it,
+    for 15 s: /health never counts against a caller, so they can keep every connection and
+    every probe room busy. Meanwhile new connections ask /health and /ready every 50 ms: held
+    counts those answered 200."""
+    return _probed_flood(
+        target, {"health_polls": (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", 300)}
+    )
+
+
+def _probed_flood(target: Target, kinds: dict[str, tuple[bytes, int]]) -> Result:
+    """:func:`attackers.connection_flood` of ``kinds`` for 15 s while fresh connections ask
+    /health and /ready: how many were asked and answered 200."""
+    with FreshProbe(target.url) as health, FreshProbe(target.url, "/ready") as ready:
+        seen = attackers.connection_flood(target.daemon.port, kinds, 15.0)
     asked = health.asked + ready.asked
     failures = sorted(set(health.failures + ready.failures))[:2]
     how = f"fresh probes answered; flood saw {seen}" + (
