@@ -106,6 +106,7 @@ CASES: dict[str, Case] = {
     "1-byte chunks, one allowed connection": hostile_front.tiny_chunks,
     "1-byte chunks, 16 connections of a refused user": hostile_front.tiny_chunks_refused_user,
     "1,000 connections of one allowed user": hostile_front.allowed_flood,
+    "300 busy keep-alive connections of one allowed user": hostile_front.busy_keep_alive,
     "token file owned by another user": token_file_of_another_user,
     "20,000 leases, default caps": hostile_leases.leases_capped,
     "4,096 leases, invisible PIDs": hostile_leases.invisible_pids,

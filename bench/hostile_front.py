@@ -15,21 +15,19 @@ from typing import Any
 
 import httpx
 
-from bench.hostile_tools import Result, Target, connect
+from bench.hostile_tools import Result, Target, connect, send_until_answered
 from harness.hostile import attackers
 from harness.hostile.probe import FreshProbe
-from harness.hostile.sockets import read_all, send_until_closed, status_of
+from harness.hostile.sockets import read_all, status_in, status_of
 from harness.hostile.users import NOBODY, run_attacker
 from harness.waiting import poll
 from service.api.peer import tcp_socket
 
 
 def _big_header(target: Target) -> int:
-    s = connect(target)
-    send_until_closed(s, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ", b"a" * 65536, 100 << 20)
-    status = status_of(s)
-    s.close()
-    return status
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: "
+    _, answer = send_until_answered(target, head, b"a" * 65536, 100 << 20)
+    return status_in(answer)
 
 
 def one_header(target: Target, work: Path) -> Result:
@@ -49,15 +47,8 @@ def four_headers(target: Target, work: Path) -> Result:
 def trailers(target: Target, work: Path) -> Result:
     """A chunked body followed by a 200 MB trailer, as one unauthenticated connection (the
     probe sent 900 MB and grew the daemon by 876 MB, kept after close)."""
-    s = connect(target)
-    head = (
-        b"POST /v1/leases HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-        b"transfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-Trailer: "
-    )
-    sent = send_until_closed(s, head, b"a" * 65536, 200 << 20)
-    status = status_of(s)
-    s.close()
-    return 1, int(status == 431), f"431 after {sent >> 20} MiB of trailer sent"
+    sent, answer = send_until_answered(target, attackers.ENDLESS_TRAILER, b"a" * 65536, 200 << 20)
+    return 1, int(status_in(answer) == 431), f"431 after {sent >> 20} MiB of trailer sent"
 
 
 def slowloris(target: Target, work: Path) -> Result:
@@ -77,10 +68,7 @@ def _closed_with(s: socket.socket) -> int:
         data = read_all(s, until_closed=True)
     except TimeoutError:
         return -1
-    try:
-        return int(data.split(b" ", 2)[1]) if data else 0
-    except (IndexError, ValueError):
-        return 0
+    return status_in(data)
 
 
 def connection_flood(target: Target, work: Path) -> Result:
@@ -218,10 +206,28 @@ def allowed_flood(target: Target, work: Path) -> Result:
             "headers_only": (attackers.CHUNKED_POST + b"\r\n", 300),
             "silent": (b"", 400),
         }
-        with FreshProbe(target.url) as health, FreshProbe(target.url, "/ready") as ready:
-            seen = attackers.connection_flood(target.daemon.port, kinds, 15.0)
+        result = _probed_flood(target, kinds)
         # Once the daemon has let go of the flood's long-polls, the withdrawal is not refused.
         poll(lambda: client.delete(f"/v1/parking/{parked}").status_code in (204, 404), 30)
+    return result
+
+
+def busy_keep_alive(target: Target, work: Path) -> Result:
+    """300 keep-alive connections of one allowed user, past the cap of 256, each asking
+    /health again as soon as it is answered and made again as soon as the daemon closes it,
+    for 15 s: /health never counts against a caller, so they can keep every connection and
+    every probe room busy. Meanwhile new connections ask /health and /ready every 50 ms: held
+    counts those answered 200."""
+    return _probed_flood(
+        target, {"health_polls": (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", 300)}
+    )
+
+
+def _probed_flood(target: Target, kinds: dict[str, tuple[bytes, int]]) -> Result:
+    """:func:`attackers.connection_flood` of ``kinds`` for 15 s while fresh connections ask
+    /health and /ready: how many were asked and answered 200."""
+    with FreshProbe(target.url) as health, FreshProbe(target.url, "/ready") as ready:
+        seen = attackers.connection_flood(target.daemon.port, kinds, 15.0)
     asked = health.asked + ready.asked
     failures = sorted(set(health.failures + ready.failures))[:2]
     how = f"fresh probes answered; flood saw {seen}" + (

@@ -46,6 +46,10 @@ def connect(target: Target, rcvbuf: int | None = None) -> socket.socket:
     return sockets.connect(target.daemon.port, rcvbuf, timeout_s=30)
 
 
+def send_until_answered(target: Target, head: bytes, chunk: bytes, most: int) -> tuple[int, bytes]:
+    return sockets.send_until_answered(target.daemon.port, head, chunk, most, timeout_s=30)
+
+
 def linked_copy(work: Path, src: Path, name: str) -> Path:
     """A copy of checkpoint ``src`` made of hard links (a broken copy costs no disk)."""
     path = work / name

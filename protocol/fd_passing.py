@@ -39,16 +39,21 @@ def send_message(
         sock.sendall(data[sent:])
 
 
+def _length(head: bytes | bytearray, max_bytes: int) -> int:
+    """The payload length ``head`` begins with; :class:`FramingError` past ``max_bytes``."""
+    (length,) = _LENGTH.unpack_from(head)
+    if length > max_bytes:
+        raise FramingError(f"a message of {length} bytes (at most {max_bytes})")
+    return int(length)
+
+
 def framed_payload(data: bytes | bytearray, max_bytes: int) -> bytes | None:
     """The payload of the message ``data`` begins with, once all of it has come (None
     before); :class:`FramingError` as soon as its length passes ``max_bytes``. For a reader
     that gathers bytes as they come, never waiting on one peer."""
     if len(data) < _LENGTH.size:
         return None
-    (length,) = _LENGTH.unpack_from(data)
-    if length > max_bytes:
-        raise FramingError(f"a message of {length} bytes (at most {max_bytes})")
-    end = _LENGTH.size + length
+    end = _LENGTH.size + _length(data, max_bytes)
     return bytes(data[_LENGTH.size : end]) if len(data) >= end else None
 
 
@@ -80,10 +85,7 @@ def receive_raw(sock: socket.socket, max_bytes: int) -> tuple[bytes, list[int]] 
             return None
         if len(head) < _LENGTH.size:
             head += _exactly(sock, _LENGTH.size - len(head))
-        (length,) = _LENGTH.unpack(head)
-        if length > max_bytes:
-            raise FramingError(f"a message of {length} bytes (at most {max_bytes})")
-        return _exactly(sock, length), fds
+        return _exactly(sock, _length(head, max_bytes)), fds
     except BaseException:
         _close_all(fds)
         raise
@@ -102,13 +104,18 @@ def receive_message(
     try:
         if len(fds) > max_fds:
             raise FramingError(f"{len(fds)} descriptors where at most {max_fds} were expected")
-        return model.model_validate_json(payload), fds
-    except ValidationError as exc:
-        _close_all(fds)
-        raise FramingError(f"not a {model.__name__}: {exc.errors()[0]['msg']}") from exc
+        return decode_message(model, payload), fds
     except BaseException:
         _close_all(fds)
         raise
+
+
+def decode_message(model: type[T], payload: bytes) -> T:
+    """``payload`` as ``model``; :class:`FramingError` when it is not one."""
+    try:
+        return model.model_validate_json(payload)
+    except ValidationError as exc:
+        raise FramingError(f"not a {model.__name__}: {exc.errors()[0]['msg']}") from exc
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:

@@ -19,10 +19,11 @@ from typing import Any
 
 TINY_CHUNK = b"1\r\n \r\n"  # one byte of body, five of framing
 PAID_CHUNK = b"400\r\n" + b" " * 1024 + b"\r\n"  # 1 KiB of body: chunks an honest client sends
-CHUNKED_POST = (
-    b"POST /v1/leases HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-    b"transfer-encoding: chunked\r\n"
-)
+# A lease request's head, its headers still open: what ends them and what follows is the attack.
+LEASE_POST = b"POST /v1/leases HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+CHUNKED_POST = LEASE_POST + b"transfer-encoding: chunked\r\n"
+# A chunked body that ends, then a trailer line that never does.
+ENDLESS_TRAILER = CHUNKED_POST + b"\r\n2\r\n{}\r\n0\r\nX-Trailer: "
 
 
 def _status(data: bytes) -> str:

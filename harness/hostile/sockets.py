@@ -44,9 +44,26 @@ def read_all(s: socket.socket, until_closed: bool = False) -> bytes:
     return data
 
 
-def status_of(s: socket.socket) -> int:
-    """The status of what the daemon wrote before closing (0: nothing)."""
+def send_until_answered(
+    port: int, head: bytes, chunk: bytes, most: int, timeout_s: float = 10
+) -> tuple[int, bytes]:
+    """On a new connection, :func:`send_until_closed`, then :func:`read_all`: how many bytes
+    of ``chunk`` were sent, and what the daemon wrote."""
+    s = connect(port, timeout_s=timeout_s)
     try:
-        return int(read_all(s).split(b" ", 2)[1])
+        return send_until_closed(s, head, chunk, most), read_all(s)
+    finally:
+        s.close()
+
+
+def status_in(answer: bytes) -> int:
+    """The status of an answer's bytes (0: none)."""
+    try:
+        return int(answer.split(b" ", 2)[1])
     except (IndexError, ValueError):
         return 0
+
+
+def status_of(s: socket.socket) -> int:
+    """The status of what the daemon wrote before closing (0: nothing)."""
+    return status_in(read_all(s))

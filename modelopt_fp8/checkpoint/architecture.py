@@ -250,7 +250,7 @@ def check_raw_headers(dims: ModelDims, headers: Sequence[bytes], source: str) ->
             file=source,
             field="num_hidden_layers",
         )
-    named = array("L", bytes(layers * array("L").itemsize))  # tensors named per layer
+    named = array("L", [0]) * layers  # tensors named per layer
     for raw in headers:
         for match in _NAMED_LAYER.finditer(raw):
             i = int(match.group(1))

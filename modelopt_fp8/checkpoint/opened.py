@@ -35,7 +35,9 @@ from protocol.errors import (
 
 # Bounds what a hostile file can cost before it is judged (configs and indexes are kilobytes).
 MAX_JSON_BYTES = 16 * 1024 * 1024
-MAX_WEIGHT_FILES = 10_000
+# Far more than any real checkpoint's safetensors files (a few dozen): each is a descriptor held
+# while a load runs. A directory's listing stops past it; an index may name no more.
+MAX_WEIGHT_FILES = 1024
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
 
 
@@ -260,7 +262,8 @@ class CheckpointDir:
         return opened
 
     def names(self, suffix: str) -> list[str]:
-        """Visible entries ending in ``suffix``, sorted (at most :data:`MAX_WEIGHT_FILES`)."""
+        """Visible entries ending in ``suffix``, sorted (at most :data:`MAX_WEIGHT_FILES`: the
+        listing stops past it)."""
         found: list[str] = []
         try:
             with os.scandir(self.fd) as entries:
@@ -268,8 +271,9 @@ class CheckpointDir:
                     if entry.name.endswith(suffix) and not entry.name.startswith("."):
                         found.append(entry.name)
                         if len(found) > MAX_WEIGHT_FILES:
-                            raise CheckpointError(
-                                f"more than {MAX_WEIGHT_FILES} {suffix} files",
+                            raise InvalidConfigError(
+                                f"the checkpoint holds {len(found)} {suffix} files or more "
+                                f"(at most {MAX_WEIGHT_FILES})",
                                 file=str(self.path),
                             )
         except OSError as exc:

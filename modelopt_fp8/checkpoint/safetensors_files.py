@@ -20,7 +20,12 @@ from typing import Any
 import torch
 
 from modelopt_fp8.checkpoint.header_json import HeaderJsonError, header_entries
-from modelopt_fp8.checkpoint.opened import CheckpointDir, OpenedFile, parse_json_object
+from modelopt_fp8.checkpoint.opened import (
+    MAX_WEIGHT_FILES,
+    CheckpointDir,
+    OpenedFile,
+    parse_json_object,
+)
 from protocol.errors import CorruptFileError, InvalidConfigError, MissingTensorError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -29,7 +34,6 @@ INDEX_FILE = "model.safetensors.index.json"
 # open, parse and hold, in all files together.
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_TENSORS = 65_536
-MAX_FILES = 1024
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
@@ -215,9 +219,9 @@ def weight_files(directory: CheckpointDir) -> tuple[list[OpenedFile], dict[str, 
             )
         weight_map = raw_map
         names = sorted(set(weight_map.values()))
-        if len(names) > MAX_FILES:
+        if len(names) > MAX_WEIGHT_FILES:
             raise InvalidConfigError(
-                f"{INDEX_FILE} names {len(names)} files (at most {MAX_FILES})",
+                f"{INDEX_FILE} names {len(names)} files (at most {MAX_WEIGHT_FILES})",
                 file=str(index_file.path),
             )
         for name in names:
@@ -231,11 +235,6 @@ def weight_files(directory: CheckpointDir) -> tuple[list[OpenedFile], dict[str, 
         if not names:
             raise MissingTensorError(
                 "no .safetensors files in the checkpoint", file=str(directory.path)
-            )
-        if len(names) > MAX_FILES:
-            raise InvalidConfigError(
-                f"the checkpoint holds {len(names)} .safetensors files (at most {MAX_FILES})",
-                file=str(directory.path),
             )
     files: list[OpenedFile] = []
     try:

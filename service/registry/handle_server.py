@@ -32,12 +32,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from protocol.errors import HandleRefusedError, WeightCacheError
 from protocol.fd_passing import (
     MAX_FDS,
     FramingError,
+    decode_message,
     framed_payload,
     peer_credentials,
     send_message,
@@ -237,9 +236,13 @@ class HandleServer:
 
     def _refuse_now(self, conn: socket.socket, error: HandleRefusedError) -> None:
         """Refuse without waiting on the peer (its socket takes the few bytes, or nothing)."""
+        conn.setblocking(False)
+        self._refuse(conn, error)
+
+    def _refuse(self, conn: socket.socket, error: HandleRefusedError) -> None:
+        """Log, count and answer a refusal (an answer the peer does not take is dropped)."""
         log.warning("handle socket: %s", error.detail)
         self.on_refusal(error.code)
-        conn.setblocking(False)
         with contextlib.suppress(OSError):
             send_message(conn, HandleAnswer(ok=False, problem=error.problem_fields()))
 
@@ -248,12 +251,11 @@ class HandleServer:
     def _answer(self, conn: socket.socket, peer: Peer, payload: bytes) -> None:
         fd = -1
         try:
-            conn.setblocking(True)
-            conn.settimeout(ANSWER_S)
+            conn.settimeout(ANSWER_S)  # blocking again, within ANSWER_S per call
             try:
-                request = HandleRequest.model_validate_json(payload)
-            except ValidationError as exc:
-                raise _malformed(FramingError(exc.errors()[0]["msg"])) from None
+                request = decode_message(HandleRequest, payload)
+            except FramingError as exc:
+                raise _malformed(exc) from None
             try:
                 lease, fd, size = self.lookup(request.lease, request.arena)
             except WeightCacheError as exc:
@@ -268,10 +270,7 @@ class HandleServer:
                 )
             send_message(conn, HandleAnswer(ok=True, size=size), [fd])
         except HandleRefusedError as exc:
-            log.warning("handle socket: %s", exc.detail)
-            self.on_refusal(exc.code)
-            with contextlib.suppress(OSError):
-                send_message(conn, HandleAnswer(ok=False, problem=exc.problem_fields()))
+            self._refuse(conn, exc)
         except OSError as exc:
             log.info("handle socket: an answer failed: %s", exc)
         finally:

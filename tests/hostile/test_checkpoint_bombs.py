@@ -19,7 +19,8 @@ from harness.checkpoint_tools import hollow_layers, many_layers, rewrite_json, r
 from harness.hostile.memory import RssBack
 from harness.hostile.probe import HealthProbe
 from modelopt_fp8.checkpoint import Checkpoint
-from modelopt_fp8.checkpoint.safetensors_files import MAX_FILES, MAX_HEADER_BYTES, MAX_TENSORS
+from modelopt_fp8.checkpoint.opened import MAX_WEIGHT_FILES
+from modelopt_fp8.checkpoint.safetensors_files import MAX_HEADER_BYTES, MAX_TENSORS
 from protocol.errors import CorruptFileError, InvalidConfigError
 from tests.hostile.conftest import LIMITS, Hostile
 
@@ -149,17 +150,18 @@ def test_a_header_of_too_many_entries_stops_at_the_bound(hostile: Hostile) -> No
 def test_a_checkpoint_of_too_many_files_is_refused_before_one_is_opened(
     tiny_fp8: Path, tmp_path: Path
 ) -> None:
-    """Each file is a descriptor held while the load runs: past ``MAX_FILES``, named by the
+    """Each file is a descriptor held while the load runs: past ``MAX_WEIGHT_FILES``, named by the
     index or lying in the directory, the checkpoint is refused from their names alone."""
+    too_many = MAX_WEIGHT_FILES + 1
     indexed = Path(shutil.copytree(tiny_fp8, tmp_path / "indexed"))
-    weight_map = {f"t{i}": f"shard-{i}.safetensors" for i in range(MAX_FILES + 1)}
+    weight_map = {f"t{i}": f"shard-{i}.safetensors" for i in range(too_many)}
     (indexed / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    with pytest.raises(InvalidConfigError, match=f"names {MAX_FILES + 1} files"):
+    with pytest.raises(InvalidConfigError, match=f"names {too_many} files"):
         Checkpoint.open(indexed)
     listed = Path(shutil.copytree(tiny_fp8, tmp_path / "listed"))
-    for i in range(MAX_FILES):
+    for i in range(MAX_WEIGHT_FILES):
         (listed / f"extra-{i}.safetensors").touch()
-    with pytest.raises(InvalidConfigError, match=f"holds {MAX_FILES + 1} .safetensors files"):
+    with pytest.raises(InvalidConfigError, match=f"holds {too_many} .safetensors files"):
         Checkpoint.open(listed)
 
 

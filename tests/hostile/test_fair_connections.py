@@ -1,6 +1,7 @@
 """Connections shared fairly: an allowed caller's requests in the daemon's hands (long-polls,
 bodies still arriving) stop at its share, well below the connection cap, and ``/health`` and
-``/ready`` always have room, however many connections one allowed user holds."""
+``/ready`` always have room, however many long-polls, unfinished requests and silent
+connections one allowed user holds."""
 
 from __future__ import annotations
 

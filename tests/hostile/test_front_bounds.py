@@ -12,9 +12,10 @@ import threading
 
 import httpx
 
+from harness.hostile import attackers
 from harness.hostile.memory import RssBack
 from harness.hostile.probe import HealthProbe
-from harness.hostile.sockets import connect, read_all, send_until_closed
+from harness.hostile.sockets import connect, send_until_answered
 from harness.waiting import wait_for
 from service.api.peer import tcp_socket
 from tests.hostile.conftest import LIMITS, Hostile
@@ -39,14 +40,9 @@ def test_chunked_trailers_count_against_the_header_limit(hostile: Hostile) -> No
     """Trailers after the last chunk are headers too: a 100 MB trailer is refused with 431 once
     it passes --max-header-bytes, as a header would be (the probe sent 900 MB and kept 876 MB)."""
     with RssBack(hostile.daemon.process.pid), HealthProbe(hostile.url) as probe:
-        s = connect(hostile.port)
-        head = (
-            b"POST /v1/leases HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-            b"transfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-Trailer: "
+        sent, answer = send_until_answered(
+            hostile.port, attackers.ENDLESS_TRAILER, b"a" * 65536, 100 * 1024 * 1024
         )
-        sent = send_until_closed(s, head, b"a" * 65536, 100 * 1024 * 1024)
-        answer = read_all(s)
-        s.close()
     assert sent < 10 * 1024 * 1024  # closed long before the end
     assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
     assert json.loads(answer.partition(b"\r\n\r\n")[2])["code"] == "headers_too_large"
@@ -55,11 +51,8 @@ def test_chunked_trailers_count_against_the_header_limit(hostile: Hostile) -> No
 
 def test_chunk_extensions_count_against_the_header_limit(hostile: Hostile) -> None:
     """Chunk extensions are framing, not body: a chunk header of megabytes is refused too."""
-    s = connect(hostile.port)
-    head = b"POST /v1/leases HTTP/1.1\r\nHost: x\r\ntransfer-encoding: chunked\r\n\r\n2;ext="
-    sent = send_until_closed(s, head, b"b" * 65536, 50 * 1024 * 1024)
-    answer = read_all(s)
-    s.close()
+    head = attackers.CHUNKED_POST + b"\r\n2;ext="
+    sent, answer = send_until_answered(hostile.port, head, b"b" * 65536, 50 * 1024 * 1024)
     assert sent < 10 * 1024 * 1024
     assert answer.startswith(b"HTTP/1.1 431 ") or not answer  # the parser may refuse it first
 

@@ -17,7 +17,7 @@ import pytest
 from harness.daemon_process import DaemonProcess, start_daemon
 from harness.hostile import attackers
 from harness.hostile.probe import HealthProbe
-from harness.hostile.sockets import connect, read_all, send_until_closed
+from harness.hostile.sockets import connect, read_all, send_until_answered
 from harness.hostile.users import NOBODY, needs_root, run_attacker
 from service.api.front.framing import FREE_CHUNKS, MAX_HEADER_LINES, MIN_CHUNK_BYTES
 from service.api.front.limits import LINGER_BYTES
@@ -40,11 +40,10 @@ def test_a_body_of_one_byte_chunks_is_refused_after_a_few(hostile: Hostile) -> N
     """One byte of body per chunk, five of framing (one connection kept a core busy and
     /health at p50 593 ms): refused 400 ``chunks_too_small`` once past the free chunks."""
     with HealthProbe(hostile.url) as probe:
-        s = connect(hostile.port)
         head = attackers.CHUNKED_POST + b"\r\n"
-        sent = send_until_closed(s, head, attackers.TINY_CHUNK * 100, 100 << 20)
-        answer = read_all(s)
-        s.close()
+        sent, answer = send_until_answered(
+            hostile.port, head, attackers.TINY_CHUNK * 100, 100 << 20
+        )
     document = _document(answer)
     assert document["code"] == "chunks_too_small"
     assert document["chunks"] > FREE_CHUNKS
@@ -76,14 +75,8 @@ def test_too_many_header_lines_are_refused(hostile: Hostile) -> None:
 def test_nothing_is_parsed_after_a_413(hostile: Hostile) -> None:
     """A body declared larger than the limit is answered 413 before it comes; what the client
     still sends is dropped, at most ``LINGER_BYTES`` of it, and the connection closed."""
-    s = connect(hostile.port)
-    head = (
-        b"POST /v1/leases HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-        b"content-length: 1000000000\r\n\r\n"
-    )
-    sent = send_until_closed(s, head, b" " * 65536, 500 << 20)
-    answer = read_all(s)
-    s.close()
+    head = attackers.LEASE_POST + b"content-length: 1000000000\r\n\r\n"
+    sent, answer = send_until_answered(hostile.port, head, b" " * 65536, 500 << 20)
     assert _document(answer)["code"] == "payload_too_large"
     assert sent < LINGER_BYTES + BUFFERED
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from modelopt_fp8.checkpoint import checkpoint, safetensors_files
+from modelopt_fp8.checkpoint import checkpoint, opened, safetensors_files
 from protocol.setting import setting_of
 from service.api.front import framing, limits
 from service.registry import handle_server, header_budget
@@ -21,7 +21,7 @@ from service.settings import DaemonSettings
 ROOT = Path(__file__).resolve().parents[2]
 # The section's heading, at whatever level the page that keeps it gives it.
 HEADING = re.compile(r"^#{2,3} Security and local trust$", re.MULTILINE)
-MODULES = (limits, framing, checkpoint, safetensors_files, header_budget, handle_server)
+MODULES = (limits, framing, checkpoint, opened, safetensors_files, header_budget, handle_server)
 
 
 def section() -> str:
@@ -91,9 +91,10 @@ CLAIMS: dict[str, str] = {
     f"{default('max_models')} models in all (`--max-models`": (
         "test_load_limits.py::test_a_load_flood_is_bounded"
     ),
-    f"at most {safetensors_files.MAX_FILES:,} safetensors files and headers of "
+    f"at most {opened.MAX_WEIGHT_FILES:,} safetensors files (`MAX_WEIGHT_FILES`, "
+    "`modelopt_fp8/checkpoint/opened.py`) and headers of "
     f"{safetensors_files.MAX_HEADER_BYTES >> 20} MiB and {safetensors_files.MAX_TENSORS:,} "
-    "tensors in all (`MAX_FILES`, `MAX_HEADER_BYTES`, `MAX_TENSORS`": (
+    "tensors in all (`MAX_HEADER_BYTES`, `MAX_TENSORS`": (
         "test_checkpoint_bombs.py::"
         "test_a_checkpoint_of_too_many_files_is_refused_before_one_is_opened"
     ),

@@ -9,8 +9,9 @@ sending, while a connection that never finished a request loses nothing. A conne
 client's bytes wait to be read is not idle (its request came, as the newcomer did), however
 long ago it was made; ``SCAN`` of each kind are looked at, at most. When none is idle,
 ``PROBE_ROOM`` more connections are let in for ``/health`` and ``/ready`` alone (the rest of
-what they ask is answered 503), so a probe always has room; past those, a new connection is
-answered 503 at once.
+what they ask is answered 503), so a probe has room while those are not all taken (a client
+keeping more connections busy than the cap, with probes of its own, can take them); past those,
+a new connection is answered 503 at once.
 """
 
 from __future__ import annotations

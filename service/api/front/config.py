@@ -9,22 +9,20 @@ from fastapi import FastAPI
 
 from service.api.front.limits import KEEP_ALIVE_S, FrontLimits
 from service.api.front.uvicorn_protocol import Front, check_uvicorn_version, protocol_for
+from service.daemon import Daemon
 from service.settings import DaemonSettings
 
 
-def front_limits(app: FastAPI, settings: DaemonSettings) -> FrontLimits:
-    """The front's limits from ``settings``; the token and the refusal counter are the app's
-    daemon's (none for an app without one)."""
-    daemon = getattr(app.state, "daemon", None)
-    extra: dict[str, Any] = (
-        {"token": lambda: daemon.token, "on_refuse": daemon.count_refusal} if daemon else {}
-    )
+def front_limits(daemon: Daemon, settings: DaemonSettings) -> FrontLimits:
+    """The front's limits from ``settings``; the token and the refusal counter are the
+    daemon's."""
     return FrontLimits(
         max_connections=settings.max_connections,
         max_header_bytes=settings.max_header_bytes,
         request_timeout_s=settings.request_timeout_s,
         requests_per_caller=settings.requests_per_caller,
-        **extra,
+        token=lambda: daemon.token,
+        on_refuse=daemon.count_refusal,
     )
 
 
@@ -41,7 +39,7 @@ def server_config(app: FastAPI, settings: DaemonSettings, **extra: Any) -> uvico
     options: dict[str, Any] = {"log_level": "info", "access_log": False, **where, **extra}
     return uvicorn.Config(
         app,
-        http=protocol_for(Front(front_limits(app, settings))),
+        http=protocol_for(Front(front_limits(app.state.daemon, settings))),
         ws="none",
         timeout_keep_alive=KEEP_ALIVE_S,
         timeout_graceful_shutdown=max(1, round(settings.request_timeout_s)),

@@ -29,6 +29,6 @@ class FrontLimits:
     max_connections: int
     max_header_bytes: int
     request_timeout_s: float
-    requests_per_caller: int = 64
+    requests_per_caller: int
     token: Callable[[], SecretStr | None] = _no_token  # the daemon's, as it is now
     on_refuse: Callable[[str], None] = _uncounted  # counts a refusal under its code

@@ -27,7 +27,6 @@ connection and given to every request in ``scope[PEER_KEY]``.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
@@ -391,7 +390,7 @@ def protocol_for(front: Front) -> type[GuardedHttpToolsProtocol]:
 def check_uvicorn_version() -> None:
     """Say so when uvicorn is not the version the guarded protocol was written against."""
     if uvicorn.__version__ != UVICORN_VERSION:
-        logging.getLogger(__name__).warning(
+        log.warning(
             "uvicorn %s is installed; the HTTP front's bounds were written against uvicorn %s "
             "(install that version: pip install 'uvicorn[standard]==%s')",
             uvicorn.__version__,

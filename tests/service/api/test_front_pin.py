@@ -95,7 +95,7 @@ def test_httptools_reports_chunk_headers() -> None:
 
 
 def test_the_guarded_class_overrides_only_what_it_names() -> None:
-    guarded = protocol_for(Front(FrontLimits(8, 1024, 1.0)))
+    guarded = protocol_for(Front(FrontLimits(8, 1024, 1.0, 2)))
     base = httptools_impl.HttpToolsProtocol
     own = {
         name
