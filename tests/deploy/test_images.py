@@ -83,7 +83,7 @@ def test_one_tag_scheme_for_compose_kubernetes_and_the_build() -> None:
 
 def test_every_service_that_runs_an_image_of_ours_builds_it() -> None:
     """Each service that runs one of the two images has the build that makes it (the same build
-    for one tag, so Compose builds it once), whatever profile it is in."""
+    for one tag, so Compose builds it once), in compose.yaml or its override."""
     services = compose_with_defaults()["services"]
     builds: dict[str, Any] = {}
     for name, service in services.items():
