@@ -79,8 +79,8 @@ def test_ctrl_c_exits_0_and_says_what_stays_then_keeper_stop_ends_it(
     assert log.splitlines()[-1].endswith(
         f"stopped (SIGINT). The keeper (pid {held.pid}) still holds tiny for the next daemon on "
         f"{run_dir}: `weight-cache serve` started again takes it over without loading. The "
-        "keeper lets go after 600 s without a daemon, or now with `weight-cache keeper --stop` "
-        f"--run-dir {run_dir}"
+        "keeper lets go after 600 s without a daemon, or now with `weight-cache keeper --stop "
+        f"--run-dir {run_dir}`"
     )
     assert keeper_status(run_dir).models == ["tiny"]
 
