@@ -114,6 +114,16 @@ def test_both_images_start_from_the_pinned_vllm() -> None:
     assert '"vllm==$(VLLM_PIN)"' in makefile
 
 
+def test_the_engine_image_adds_cuda_bindings_at_the_cuda_extras_range() -> None:
+    """The engine image adds cuda-bindings alone (vLLM brings its own NVML reader) at the range
+    the `cuda` extra declares, so the two cannot drift apart."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    (extra,) = re.findall(r"^cuda = \[(.*)\]$", pyproject, re.M)
+    (bindings,) = re.findall(r'"(cuda-bindings[^"]*)"', extra)
+    dockerfile = (DOCKER / "Dockerfile.vllm").read_text()
+    assert re.findall(r'"(cuda-bindings[^"]*)"', dockerfile) == [bindings]
+
+
 def test_the_build_script_skips_cleanly_without_a_docker_daemon() -> None:
     """Here (and in CI) no Docker daemon answers: the script says so and exits 0."""
     script = images_script()
