@@ -3,9 +3,10 @@
 Where no Docker daemon answers, it says so and exits 0 having built nothing. Otherwise it builds
 ``weight-cache:VERSION`` (docker/Dockerfile) and ``vllm-weight-cache:VERSION``
 (docker/Dockerfile.vllm), VERSION being the package's, the tags compose and the Kubernetes
-manifests name, and checks each: the versions inside are the pinned ones, the daemon serves its
-demo model on the CPU until ``/ready``, the engine image's vLLM has the ``weight_cache`` load
-format. No GPU is needed for any of it. Exit status 1 when a build or a check fails.
+manifests name, and checks each: the vLLM inside is the pinned one (the torch and CUDA it
+carries are printed), the daemon serves its demo model on the CPU until ``/ready``, the engine
+image's vLLM has the ``weight_cache`` load format. No GPU is needed for any of it. Exit status 1
+when a build or a check fails.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def smoke_daemon(docker: str, tag: str) -> None:
 
 
 def smoke_versions(docker: str, tag: str, engine: bool) -> None:
-    """torch, vLLM (and the loader's registration) as pinned, inside the image."""
+    """vLLM as pinned (and, in the engine image, the loader's registration) inside the image;
+    the torch and CUDA it carries are printed."""
     code = (
         "import importlib.metadata as m, torch; "
         "print(m.version('vllm'), torch.__version__, torch.version.cuda)"

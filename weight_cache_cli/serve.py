@@ -171,11 +171,11 @@ def what_stays(settings: DaemonSettings, stopped: list[int]) -> str:
         if held.idle_timeout_s
         else "when it is stopped"
     )
+    elsewhere = f" --run-dir {settings.run_dir}" if settings.run_dir != default_run_dir() else ""
     return (
         f"{why}. The keeper ({who}) still holds {', '.join(held.models)} for the next daemon on "
         f"{settings.run_dir}: `weight-cache serve` started again takes it over without loading. "
-        f"The keeper lets go {when}, or now with `weight-cache keeper --stop`"
-        + (f" --run-dir {settings.run_dir}" if settings.run_dir != default_run_dir() else "")
+        f"The keeper lets go {when}, or now with `weight-cache keeper --stop{elsewhere}`"
     )
 
 

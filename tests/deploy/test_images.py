@@ -83,7 +83,7 @@ def test_one_tag_scheme_for_compose_kubernetes_and_the_build() -> None:
 
 def test_every_service_that_runs_an_image_of_ours_builds_it() -> None:
     """Each service that runs one of the two images has the build that makes it (the same build
-    for one tag, so Compose builds it once), whatever profile it is in."""
+    for one tag, so Compose builds it once), in compose.yaml or its override."""
     services = compose_with_defaults()["services"]
     builds: dict[str, Any] = {}
     for name, service in services.items():
@@ -112,6 +112,16 @@ def test_both_images_start_from_the_pinned_vllm() -> None:
     makefile = (ROOT / "Makefile").read_text()
     assert "VLLM_PIN := $(shell sed -n 's/^vllm==//p' constraints.txt)" in makefile
     assert '"vllm==$(VLLM_PIN)"' in makefile
+
+
+def test_the_engine_image_adds_cuda_bindings_at_the_cuda_extras_range() -> None:
+    """The engine image adds cuda-bindings alone (vLLM brings its own NVML reader) at the range
+    the `cuda` extra declares, so the two cannot drift apart."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    (extra,) = re.findall(r"^cuda = \[(.*)\]$", pyproject, re.M)
+    (bindings,) = re.findall(r'"(cuda-bindings[^"]*)"', extra)
+    dockerfile = (DOCKER / "Dockerfile.vllm").read_text()
+    assert re.findall(r'"(cuda-bindings[^"]*)"', dockerfile) == [bindings]
 
 
 def test_the_build_script_skips_cleanly_without_a_docker_daemon() -> None:

@@ -58,12 +58,8 @@ def test_sizing_shares_the_gpu_out(daemon_process) -> None:
     from engine_client.sizing import shared_utilization
 
     def sizing(engines: int) -> dict[str, int | float]:
-        out = subprocess.run(
-            [*CLI, "sizing", "--url", daemon_process.url, "--engines", str(engines), "--json"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
+        out = run_cli(
+            "sizing", "--url", daemon_process.url, "--engines", str(engines), "--json", check=True
         )
         answer: dict[str, int | float] = json.loads(out.stdout)
         return answer

@@ -9,17 +9,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from harness.daemon_process import free_port, keeper_status, stop_keeper
+from harness.cli import CLI, run_cli
+from harness.daemon_process import free_port, keeper_status, start_daemon, stop_keeper
 from harness.waiting import wait_for
-
-CLI = [sys.executable, "-m", "weight_cache_cli"]
 
 
 class Serving:
@@ -59,11 +57,9 @@ def run_dir(tmp_path: Path) -> Iterator[Path]:
 def test_ctrl_c_exits_0_and_says_what_stays_then_keeper_stop_ends_it(
     tmp_path: Path, tiny_fp8: Path, run_dir: Path
 ) -> None:
-    daemon = serve(
-        tmp_path, "daemon", "--model", str(tiny_fp8), "--model-id", "tiny",
-        "--run-dir", str(run_dir), "--keeper", "auto",
-    )  # fmt: skip
-    wait_for(lambda: daemon.answers("/ready"), timeout=60)
+    daemon = start_daemon(
+        tmp_path, [tiny_fp8], "--model-id", "tiny", run_dir=run_dir, keeper="auto"
+    )
     keeper = httpx.get(f"{daemon.url}/v1/inventory").json()["keeper"]
     held = keeper_status(run_dir)
     assert keeper == {
@@ -73,9 +69,7 @@ def test_ctrl_c_exits_0_and_says_what_stays_then_keeper_stop_ends_it(
         "pid": held.pid,
         "started_by_daemon": True,
     }
-    status = subprocess.run(
-        [*CLI, "status", "--url", daemon.url], capture_output=True, text=True, check=True
-    ).stdout
+    status = run_cli("status", "--url", daemon.url, check=True).stdout
     assert f"keeper: auto, pid {held.pid}, started by the daemon, attached" in status
 
     daemon.process.send_signal(signal.SIGINT)  # what Ctrl-C sends
@@ -85,27 +79,17 @@ def test_ctrl_c_exits_0_and_says_what_stays_then_keeper_stop_ends_it(
     assert log.splitlines()[-1].endswith(
         f"stopped (SIGINT). The keeper (pid {held.pid}) still holds tiny for the next daemon on "
         f"{run_dir}: `weight-cache serve` started again takes it over without loading. The "
-        "keeper lets go after 600 s without a daemon, or now with `weight-cache keeper --stop` "
-        f"--run-dir {run_dir}"
+        "keeper lets go after 600 s without a daemon, or now with `weight-cache keeper --stop "
+        f"--run-dir {run_dir}`"
     )
     assert keeper_status(run_dir).models == ["tiny"]
 
-    stopped = subprocess.run(
-        [*CLI, "keeper", "--stop", "--run-dir", str(run_dir)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    stopped = run_cli("keeper", "--stop", "--run-dir", str(run_dir), check=True)
     assert stopped.stdout == (
         f"stopped the keeper (pid {held.pid}) on {run_dir / 'keeper.sock'}; it let go of tiny\n"
     )
     assert keeper_status(run_dir) is None
-    again = subprocess.run(
-        [*CLI, "keeper", "--stop", "--run-dir", str(run_dir)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    again = run_cli("keeper", "--stop", "--run-dir", str(run_dir), check=True)
     assert again.stdout == f"no keeper answers on {run_dir / 'keeper.sock'}\n"
 
 
@@ -137,44 +121,26 @@ def test_status_fits_80_columns_and_prints_json(tmp_path: Path, tiny_fp8: Path) 
     bad = root / "a-model-id-long-enough-to-squeeze-the-table"
     bad.mkdir(parents=True)
     (bad / "config.json").write_text("{not json")
-    daemon = serve(
-        tmp_path, "daemon", "--model", str(tiny_fp8), "--model-id", "tiny",
-        "--allowed-root", str(root), "--keeper", "off", "--run-dir", str(tmp_path / "run"),
-    )  # fmt: skip
+    daemon = start_daemon(tmp_path, [tiny_fp8], "--model-id", "tiny", "--allowed-root", str(root))
     try:
-        wait_for(lambda: daemon.answers("/ready"), timeout=60)
         httpx.post(f"{daemon.url}/v1/models", json={"path": str(bad)}).raise_for_status()
         wait_for(
             lambda: httpx.get(f"{daemon.url}/v1/models/{bad.name}").json()["state"] == "failed"
         )
         detail = httpx.get(f"{daemon.url}/v1/models/{bad.name}").json()["error"]["detail"]
-        narrow = subprocess.run(
-            [*CLI, "status", "--url", daemon.url],
-            capture_output=True,
-            text=True,
-            check=True,
-            env={**os.environ, "COLUMNS": "80"},
-        ).stdout
+        narrow = run_cli("status", "--url", daemon.url, env={"COLUMNS": "80"}, check=True).stdout
         for header in ("model", "state", "loaded", "resident", "leases", "parked", "quant"):
             assert f" {header} " in narrow, (header, narrow)
         assert f"{bad.name} failed: [invalid_config] {detail}" in narrow
         assert "keeper: off" in narrow
         assert max(len(line) for line in narrow.splitlines() if "│" in line) <= 80
-        report = json.loads(
-            subprocess.run(
-                [*CLI, "status", "--url", daemon.url, "--json"],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-        )
+        report = json.loads(run_cli("status", "--url", daemon.url, "--json", check=True).stdout)
         assert set(report) == {"inventory", "parked", "startup_slots"}
         states = {m["id"]: m["state"] for m in report["inventory"]["models"]}
         assert states == {"tiny": "ready", bad.name: "failed"}
         assert report["inventory"]["keeper"]["mode"] == "off"
     finally:
-        daemon.process.terminate()
-        daemon.process.wait(30)
+        daemon.stop()
 
 
 @pytest.mark.parametrize("how", ["flag", "variable"])
