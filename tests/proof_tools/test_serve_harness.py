@@ -62,7 +62,7 @@ def test_the_scenarios_run_and_write_their_results(
         if not caddyfile.exists():
             caddyfile = tmp_path / "Caddyfile"
             caddyfile.write_text(TEST_CADDYFILE)
-    scenarios += ["daemon", "crowd"]
+    scenarios += ["daemon", "crowd", "container"]
     if find_caddy() is not None:
         scenarios += ["warm", "tight"]
     out = tmp_path / "out"
@@ -126,6 +126,10 @@ def test_the_scenarios_run_and_write_their_results(
         assert standby["account"]["ok"] > 0 and standby["account"]["wrong_tokens"] == 0
         assert standby["account"]["slowest_in_window_s"] is not None
         assert restart["engine"] == "H2"  # the standby that survived served on
+    container = summary["scenarios"]["container"]
+    assert container["volume"] == str(tmp_path / "vllm-cache")
+    assert summary["runs"]["K1"]["ok"] and summary["runs"]["K1"]["scenario"] == "container"
+    assert checks["K1: token ids equal the default loader's"]
     crowd = summary["scenarios"]["crowd"]["runs"][0]
     assert crowd["answered"] == 3 and all(t > 0 for t in crowd["to_health_s"])
     assert 0 < crowd["utilization"] < 1
