@@ -23,7 +23,7 @@ from protocol.schemas.parking import ParkRequest, ParkState, ReleaseCause
 from service.registry.lease_holders import Caller, Holder
 from service.registry.parking import Parked, ParkingLot
 from service.registry.waiting_rules import WaitingCaps
-from tests.service.registry.processes import start_of
+from tests.service.registry.processes import holder_of, start_of
 
 ME = os.getpid()
 OWNER = Caller.local()  # the daemon's own user: trusted
@@ -73,7 +73,7 @@ class Lot:
             group=group,
             if_serving=if_serving,
         )
-        return self.lot.park(req, now, Holder(uid=uid, pid=pid, pid_start=start_of(pid)))
+        return self.lot.park(req, now, holder_of(pid, uid))
 
     def ended(self, rank: int = 0, tp: int = 1, model: str = "m", gone: bool = True) -> None:
         """An engine's lease on ``model`` rank ``rank`` ended (its process gone, or a PID the
@@ -311,7 +311,7 @@ def test_engines_out_of_sight_are_capped_by_their_user_alone() -> None:
     """Engines in containers of their own name pids of their own namespaces, often the same
     small number: those are not counted as one process."""
     lot = Lot(max_per_client=1)
-    out_of_sight = Holder(uid=None, pid=None, pid_start=None)
+    out_of_sight = Holder(uid=None, pid=None, pid_start=None, named_pid=7)
     for group in ("a", "b", "c"):
         req = ParkRequest(model="m", tp_rank=0, tp_size=1, client_pid=7, group=group)
         lot.lot.park(req, 0.0, out_of_sight)
