@@ -41,7 +41,6 @@ from protocol.schemas.parking import (
 )
 from service.registry.lease_holders import Caller, Holder
 from service.registry.waiting_rules import (
-    Joining,
     Registration,
     WaitingCaps,
     WaitingRoom,
@@ -123,17 +122,11 @@ class ParkingLot(WaitingRoom[Parked]):
         with self.lock:
             if self.known_model is not None:
                 self.known_model(req.model)
-            joining = Joining(holder.uid, req.tp_rank, req.tp_size, (req.model, req.standby))
             entry = Parked(
-                id=self._admit(holder, req.group, self._members(req.group), joining),
+                **self._admit(req, holder, (req.model, req.standby), now),
                 model=req.model,
-                tp_rank=req.tp_rank,
-                tp_size=req.tp_size,
-                group=req.group,
                 standby=req.standby,
-                holder=holder,
                 parked_at=now,
-                expires_at=now + self.grace_s,
             )
             self.kept[entry.id] = entry
             self._groups.setdefault(req.group, []).append(entry.id)

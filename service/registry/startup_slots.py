@@ -30,7 +30,6 @@ from protocol.logsafe import get_logger
 from protocol.schemas.startup_slots import SlotRequest, SlotState, SlotTicket
 from service.registry.lease_holders import Caller, Holder
 from service.registry.waiting_rules import (
-    Joining,
     Registration,
     WaitingCaps,
     WaitingRoom,
@@ -81,18 +80,7 @@ class StartupSlots(WaitingRoom[Ticket]):
         """A ticket for ``req.device`` for ``holder`` (proven outside the lock): held at once if
         the GPU is free, else waiting."""
         with self.lock:
-            members = [t for t in self.kept.values() if t.group == req.group]
-            joining = Joining(holder.uid, req.tp_rank, req.tp_size, None)
-            ticket = Ticket(
-                id=self._admit(holder, req.group, members, joining),
-                device=req.device,
-                tp_rank=req.tp_rank,
-                tp_size=req.tp_size,
-                group=req.group,
-                holder=holder,
-                asked_at=now,
-                expires_at=now + self.grace_s,
-            )
+            ticket = Ticket(**self._admit(req, holder, None, now), device=req.device, asked_at=now)
             self.kept[ticket.id] = ticket
             self._grant(now)
             return ticket

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from protocol.errors import (
     DaemonRestartedError,
@@ -164,6 +164,14 @@ class Changes:
             listener(changed_id)
 
 
+class RankRequest(Protocol):
+    """What a request to wait (``ParkRequest``, ``SlotRequest``) says of its rank."""
+
+    tp_rank: int
+    tp_size: int
+    group: str
+
+
 class WaitingRoom(Generic[R]):
     """What the registries of waiting engines (parked engines, start-up slot tickets) share:
     their registrations by id (insertion order: first come first), admitted within the caps
@@ -188,11 +196,20 @@ class WaitingRoom(Generic[R]):
         self.grace_s = grace_s  # kept this long past its last poll or its end
         self.kept: dict[str, R] = {}
 
-    def _admit(self, holder: Holder, group: str, members: Iterable[R], joining: Joining) -> str:
-        """A new registration's id, once ``holder`` has room and may join ``group``."""
-        self.caps.check(f"{self.what}s", self.kept.values(), holder, group)
-        check_joins_group(group, members, joining)
-        return new_id(self.boot_id)
+    def _admit(self, req: RankRequest, holder: Holder, kind: object, now: float) -> dict[str, Any]:
+        """The fields every registration of ``req`` starts with, once ``holder`` has room and
+        may join the request's group (``kind``: what else its ranks must share)."""
+        self.caps.check(f"{self.what}s", self.kept.values(), holder, req.group)
+        members = [r for r in self.kept.values() if r.group == req.group]
+        check_joins_group(req.group, members, Joining(holder.uid, req.tp_rank, req.tp_size, kind))
+        return {
+            "id": new_id(self.boot_id),
+            "tp_rank": req.tp_rank,
+            "tp_size": req.tp_size,
+            "group": req.group,
+            "holder": holder,
+            "expires_at": now + self.grace_s,
+        }
 
     def _find(self, registration_id: str, caller: Caller) -> R:
         return find(self.kept, registration_id, caller, self.boot_id, self.what, self.missing)

@@ -21,22 +21,20 @@ from protocol.schemas.startup_slots import SlotRequest, SlotState
 from service.registry.lease_holders import Caller
 from service.registry.startup_slots import StartupSlots, Ticket
 from service.registry.waiting_rules import WaitingCaps
-from tests.service.registry.processes import holder_of, start_of
+from tests.service.registry.processes import caps, holder_of, start_of
 
 ME = os.getpid()
 OWNER = Caller.local()  # the daemon's own user: trusted
 
 
 class Slots:
-    def __init__(
-        self, max_tickets: int = 64, max_per_client: int = 64, max_per_uid: int = 64
-    ) -> None:
+    def __init__(self, limits: WaitingCaps | None = None) -> None:
         self.changed: list[str] = []
         self.reclaims: list[str] = []
         self.slots = StartupSlots(
             "b00t",
             threading.RLock(),
-            WaitingCaps(max_tickets, max_per_uid, max_per_client),
+            limits or caps(),
             hold_s=100.0,
             on_change=self.changed.append,
             on_reclaim=self.reclaims.append,
@@ -142,7 +140,7 @@ def test_waiting_tickets_nobody_asks_for_are_dropped() -> None:
 
 
 def test_caps_unknown_and_bad_requests() -> None:
-    s = Slots(max_tickets=3, max_per_client=2)
+    s = Slots(caps(total=3, per_client=2))
     s.take("GPU-0", "a")
     with pytest.raises(InvalidRequestError):
         s.take("GPU-0", "a", pid=1)  # rank 0 of group a again
@@ -160,7 +158,7 @@ def test_caps_unknown_and_bad_requests() -> None:
 
 
 def test_a_ticket_is_its_users_alone() -> None:
-    s = Slots(max_per_uid=1)
+    s = Slots(caps(per_uid=1))
     owner, neighbour = (
         Caller(uid=4242, pid=None, via="unix"),
         Caller(uid=4343, pid=None, via="unix"),
