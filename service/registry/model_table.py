@@ -50,11 +50,12 @@ class ModelTable:
         on_loaded: Callable[[float], None] = lambda seconds: None,
         on_ready: Callable[[ModelRecord], None] = lambda record: None,
         on_gone: Callable[[ModelRecord], None] = lambda record: None,
+        on_startup_failure: Callable[[], None] | None = None,
     ) -> None:
         self.settings = settings
         self.lock = lock
         self.on_loaded = on_loaded  # told each successful load's seconds (a histogram)
-        self.on_ready = on_ready  # told each model that became ready (the keeper keeps it)
+        self.on_ready = on_ready  # told, under the lock, each model that became ready (kept)
         self.on_gone = on_gone  # told each ready model that failed after (the keeper drops it)
         self.records: dict[str, ModelRecord] = {}
         # Models asked for at start and not unloaded since: what /ready waits for.
@@ -62,7 +63,7 @@ class ModelTable:
         # The first startup model that failed (unless keep_going), and who to tell: the CLI
         # stops the server and exits non-zero.
         self.startup_failure: tuple[str, WeightCacheError] | None = None
-        self.on_startup_failure: Callable[[], None] | None = None
+        self.on_startup_failure = on_startup_failure
         self._threads: list[threading.Thread] = []
         self._draining: set[ModelRecord] = set()  # unloaded while loading, thread still running
         self.header_budget = HeaderBudget()  # what the loads running at once may parse
@@ -110,6 +111,26 @@ class ModelTable:
                 record.ranks = []
             self.records.clear()
         self.join_loads(timeout=30)
+
+    def totals(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Models by state, and each model's resident bytes (the state gauges)."""
+        with self.lock:
+            counts = {state.value: 0 for state in ModelState}
+            resident: dict[str, int] = {}
+            for record in self.records.values():
+                counts[record.state.value] += 1
+                resident[record.id] = record.bytes_resident
+            return counts, resident
+
+    def held_by_device(self) -> dict[int | None, int]:
+        """Arena bytes held on each device index (None: host memory), for the inventory."""
+        held: dict[int | None, int] = {}
+        with self.lock:
+            for record in self.records.values():
+                for rank in record.ranks:
+                    index = rank.arena.device.index
+                    held[index] = held.get(index, 0) + rank.arena.nbytes
+        return held
 
     def join_loads(self, timeout: float) -> None:
         """Wait for the load threads started so far, each up to ``timeout`` seconds."""
@@ -310,8 +331,8 @@ class ModelTable:
             record.ranks = ranks
             record.load_seconds = time.monotonic() - record.started_at
             record.state = ModelState.ready
+            self.on_ready(record)  # under the lock: an unload racing it is told after it
         self.on_loaded(record.load_seconds)
-        self.on_ready(record)
         log.info(
             "%s ready: %d bytes in %.2f s", record.id, record.bytes_resident, record.load_seconds
         )
