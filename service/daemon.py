@@ -37,6 +37,7 @@ from service.memory.devices import collect_ipc_handles, device_infos, use_plain_
 from service.memory.shm import ArenaDir, remove_stale_files
 from service.metrics import Metrics, StateSnapshot
 from service.registry.compatibility import check_request_fits
+from service.registry.donations import Donations
 from service.registry.exit_watch import ExitWatch
 from service.registry.grant import Grant
 from service.registry.lease_holders import Caller, prove_holder
@@ -94,6 +95,15 @@ class Daemon:
             torch_version=torch.__version__,
         )
         self.arena_dir: ArenaDir | None = None
+        # Models engines donate (their vLLM's processing, kept and lent here); the routes use
+        # this registry directly.
+        self.donations = Donations(
+            self.models,
+            self.lock,
+            settings.allow_token_donations,
+            self.identity,
+            lambda: self.arena_dir,
+        )
         # Sweeps the moment a watched process ends (a serving engine killed: its standby wakes).
         self.exit_watch = ExitWatch(self.watched_processes, self.sweep)
 

@@ -38,6 +38,7 @@ from engine_client.attach import Attachment
 from engine_client.client import ClientConfig
 from engine_client.fallback import fall_back_or_raise
 from engine_client.loader_options import LoaderOptions
+from engine_client.vllm.donation_load import attach_or_donate, donates
 from engine_client.vllm.engine_start import (
     daemon_model,
     rank_bytes,
@@ -88,6 +89,7 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
             load_config, load_format="auto", model_loader_extra_config={}
         )
         self.attachment: Attachment | None = None
+        self.donated: str | None = None  # the model this engine donated, if it did
         self.fallback_reason: Reason | None = None
 
     def _default(self) -> DefaultModelLoader:
@@ -147,6 +149,8 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
         try:
             model = self._attach_model(vllm_config, model_config, prefix)
         except Exception as exc:
+            if donates(exc, self.options):
+                return self._donated(vllm_config, model_config, prefix)
             reason = fall_back_or_raise(
                 exc, self.options.fallback, "falling back to vLLM's default loader"
             )
@@ -155,6 +159,26 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
             return model
         self.fallback_reason = reason
         return self._fall_back(vllm_config, model_config, prefix, reason)
+
+    def _donated(self, vllm_config: Any, model_config: Any, prefix: str) -> nn.Module:
+        """A checkpoint the daemon does not process: attach to its donated model, else load it
+        with vLLM's default loader and donate it (:mod:`.donation_load`)."""
+        with set_default_torch_dtype(model_config.dtype):
+            done = attach_or_donate(
+                vllm_config,
+                model_config,
+                lambda: self.create_model(vllm_config, model_config, prefix),
+                lambda model: self._default().load_weights(model, model_config),
+                self.options.client_config(),
+                target_device(vllm_config),
+            )
+        self.attachment, self.donated, self.fallback_reason = (
+            done.attachment,
+            done.donated,
+            done.reason,
+        )
+        evaluated: nn.Module = done.model.eval()
+        return evaluated
 
     def _fall_back(
         self, vllm_config: Any, model_config: Any, prefix: str, reason: Reason
