@@ -57,6 +57,7 @@ class DonatedLoad:
     attachment: Attachment | None
     donated: str | None = None
     reason: Reason | None = None
+    error: WeightCacheError | None = None  # why it did not share, where it did not
 
 
 def donates(exc: Exception, options: LoaderOptions) -> bool:
@@ -145,7 +146,8 @@ def _load_and_donate(
         error: WeightCacheError = VerificationError(
             "another engine is donating this rank right now", reason=Reason.donation_refused
         )
-        return DonatedLoad(model, None, reason=record_fallback(error, "serving its own load"))
+        reason = record_fallback(error, "serving its own load")
+        return DonatedLoad(model, None, reason=reason, error=error)
     if found.differs:
         log.warning(
             "weight-cache: a donated model of this checkpoint differs in %s: donating this "
@@ -176,7 +178,8 @@ def _load_and_donate(
             attachment.close()
             raise
     except WeightCacheError as exc:
-        return DonatedLoad(model, None, reason=record_fallback(exc, "serving its own load"))
+        reason = record_fallback(exc, "serving its own load")
+        return DonatedLoad(model, None, reason=reason, error=exc)
     gc.collect()  # the donor's own tensors, now unreferenced
     log.info("weight-cache: donated %s (%d tensors)", model_id, len(attachment.tensors))
     return DonatedLoad(model, attachment, donated=model_id)

@@ -90,6 +90,7 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
         )
         self.attachment: Attachment | None = None
         self.donated: str | None = None  # the model this engine donated, if it did
+        self.donation_error: WeightCacheError | None = None  # why it did not share
         self.fallback_reason: Reason | None = None
 
     def _default(self) -> DefaultModelLoader:
@@ -177,6 +178,7 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
             done.donated,
             done.reason,
         )
+        self.donation_error = done.error
         evaluated: nn.Module = done.model.eval()
         return evaluated
 

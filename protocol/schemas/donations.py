@@ -19,7 +19,7 @@ class DonatedTensorSpec(BaseModel):
     """One tensor's storage span the donor will write: ``nbytes`` from its first element to its
     last, as its strides lay it out."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid")
 
     name: str = _NAME
     dtype: WireDType
