@@ -66,10 +66,8 @@ def _outside_arena(model: torch.nn.Module, loader: Any) -> list[str]:
         prefix = f"{module_name}." if module_name else ""
         tensors = {**module._parameters, **module._buffers}
         tensors.update({k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)})
-        for leaf, value in tensors.items():
-            inside = start <= value.data_ptr() < end
-            if isinstance(value, torch.Tensor) and value.numel() and not inside:
-                outside.append(prefix + leaf)
+        held = {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor) and v.numel()}
+        outside += [prefix + k for k, v in held.items() if not start <= v.data_ptr() < end]
     return outside
 
 
