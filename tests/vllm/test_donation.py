@@ -17,6 +17,8 @@ import torch
 
 from harness.checkpoint_tools import dequantized
 from harness.daemon_process import DaemonProcess, free_port, start_daemon
+from protocol.reasons import Reason
+from protocol.schemas.donated import DonationKey
 from tests.conftest import FIXTURES
 from tests.vllm.model_state import ModelState, model_state
 from tests.vllm.vllm_model import configs, vllm_world
@@ -40,7 +42,13 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     process.stop()
 
 
-def _load(checkpoint: Path, load_format: str, url: str | None = None, **extra: Any) -> Any:
+def _load(
+    checkpoint: Path,
+    load_format: str,
+    url: str | None = None,
+    max_model_len: int = 256,
+    **extra: Any,
+) -> Any:
     """(loader, model) of one load in a fresh TP world of one."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers import rotary_embedding
@@ -52,6 +60,7 @@ def _load(checkpoint: Path, load_format: str, url: str | None = None, **extra: A
     rotary_embedding._ROPE_DICT.clear()  # as in a fresh engine process
     options = {"url": url, "fallback": False, **extra} if load_format == "weight_cache" else None
     vllm_config, model_config = configs(checkpoint, load_format=load_format, extra=options)
+    model_config.max_model_len = max_model_len
     with set_current_vllm_config(vllm_config), vllm_world(1, 0, free_port()):
         loader = get_model_loader(vllm_config.load_config)
         return loader, loader.load_model(vllm_config, model_config)
@@ -108,3 +117,67 @@ def test_the_comparison_sees_one_attribute(checkpoints: dict[str, Path]) -> None
     assert before.differences(model_state(model)) == [
         "attribute model.layers.0.mlp.down_proj.processed_marker: None != '1'"
     ]
+
+
+def _marking(monkeypatch: pytest.MonkeyPatch, mark: Any) -> None:
+    """vLLM's processing of unquantized linear layers, made to set one attribute more."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    processing = UnquantizedLinearMethod.process_weights_after_loading
+
+    def process(self: Any, layer: torch.nn.Module) -> None:
+        processing(self, layer)
+        layer.set_by_processing = mark
+        self.method_state = (3, "three")
+
+    monkeypatch.setattr(UnquantizedLinearMethod, "process_weights_after_loading", process)
+
+
+def test_attributes_processing_sets_reach_the_attacher(
+    checkpoints: dict[str, Path], daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An attacher runs no processing: what processing set on a layer and on its quant method
+    comes with the donation, so its state still equals the default loader's."""
+    _marking(monkeypatch, 7)
+    checkpoint = checkpoints["llama"]
+    _, default = _load(checkpoint, "auto")
+    expected = model_state(default)
+    assert expected.attributes["model.layers.0.mlp.down_proj.set_by_processing"] == "7"
+    donor_loader, _ = _load(checkpoint, "weight_cache", daemon.url)
+    attacher_loader, attacher = _load(checkpoint, "weight_cache", daemon.url)
+    assert donor_loader.donated is not None, donor_loader.donation_error
+    assert attacher_loader.donated is None and attacher_loader.attachment is not None
+    assert expected.differences(model_state(attacher)) == []
+    donor_loader.attachment.close()
+    attacher_loader.attachment.close()
+
+
+def test_a_callable_processing_sets_that_cannot_be_rebuilt_is_not_donated(
+    checkpoints: dict[str, Path], daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine keeps its own load, says which attribute stopped the donation, and the daemon
+    holds nothing of it."""
+    _marking(monkeypatch, lambda x: x)
+    checkpoint = checkpoints["llama"]
+    _, default = _load(checkpoint, "auto")
+    loader, model = _load(checkpoint, "weight_cache", daemon.url)
+    assert loader.donated is None and loader.attachment is None
+    assert loader.fallback_reason is Reason.donation_unsupported
+    assert "set_by_processing" in str(loader.donation_error)
+    assert model_state(default).differences(model_state(model)) == []
+    with httpx.Client(base_url=daemon.url) as http:
+        assert http.get("/v1/donations").json() == []
+
+
+def test_an_engine_whose_key_differs_donates_its_own(
+    checkpoints: dict[str, Path], daemon: DaemonProcess
+) -> None:
+    checkpoint = checkpoints["qwen2"]
+    first, _ = _load(checkpoint, "weight_cache", daemon.url)
+    second, _ = _load(checkpoint, "weight_cache", daemon.url, max_model_len=128)
+    assert first.donated is not None and second.donated is not None
+    assert first.donated != second.donated
+    keys = [DonationKey(**d["key"]) for d in httpx.get(f"{daemon.url}/v1/donations").json()]
+    assert keys[0].differences(keys[1]) == ["max_model_len"]
+    first.attachment.close()
+    second.attachment.close()
