@@ -28,7 +28,7 @@ class DonationKey(BaseModel):
     """Everything that decides the bytes vLLM's processing leaves for one rank: two engines
     whose keys are equal field by field would build the same tensors."""
 
-    model_config = _FROZEN
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)  # false is not 0
 
     files: str = Field(description="the checkpoint's files-tier digest (names, sizes, mtimes)")
     sampled: str = Field(description="the checkpoint's sampled-tier digest (the default tier)")

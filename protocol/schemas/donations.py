@@ -4,7 +4,7 @@ processing left (``protocol/schemas/donated.py``)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from protocol.schemas.donated import DonatedState, DonationKey, Donor
 from protocol.schemas.layout import WireDType
@@ -23,7 +23,7 @@ class DonatedTensorSpec(BaseModel):
 
     name: str = _NAME
     dtype: WireDType
-    nbytes: int = Field(ge=0, le=2**40)
+    nbytes: StrictInt = Field(ge=0, le=2**40)
 
 
 class DonationRequest(BaseModel):
@@ -31,7 +31,7 @@ class DonationRequest(BaseModel):
 
     key: DonationKey
     tensors: list[DonatedTensorSpec] = Field(min_length=1, max_length=MAX_DONATED_TENSORS)
-    client_pid: int = Field(ge=1, le=2**31 - 1)
+    client_pid: StrictInt = Field(ge=1, le=2**31 - 1)
 
 
 class DonationOffer(BaseModel):
