@@ -14,9 +14,10 @@ Options (``--model-loader-extra-config``, :class:`~engine_client.loader_options.
 model whose fingerprint matches), ``fallback`` (default true), ``identity`` (how the checkpoints
 must match: ``files``, ``sampled`` (default), ``hf_blob`` or ``full``), ``timeout`` (seconds,
 default 10), ``wait`` (seconds to wait for a daemon still loading the model, default 0),
-``verify_checksums`` (default false), ``handle_socket`` (the daemon's handle socket where this
-engine sees it), ``park`` (wait before the load until the daemon releases this engine),
-``park_timeout``, ``startup_slot_timeout`` (:mod:`engine_client.vllm.startup`).
+``verify_checksums`` (default false), ``donate`` (:mod:`.donation_load`), ``handle_socket`` (the
+daemon's handle socket where this engine sees it), ``park`` (wait before the load until the
+daemon releases this engine), ``park_timeout``, ``startup_slot_timeout``
+(:mod:`engine_client.vllm.startup`).
 """
 
 from __future__ import annotations
