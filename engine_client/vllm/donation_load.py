@@ -96,6 +96,19 @@ def _lease(
     return attachment
 
 
+def _bound(
+    model: nn.Module, config: ClientConfig, model_id: str, device: torch.device, key: DonationKey
+) -> Attachment:
+    """``model`` holding the donated model ``model_id``, leased (given back if binding fails)."""
+    attachment = _lease(config, model_id, device, key)
+    try:
+        bind_donated(model, attachment, device)
+    except BaseException:
+        attachment.close()
+        raise
+    return attachment
+
+
 def attach_or_donate(
     vllm_config: Any,
     model_config: Any,
@@ -115,12 +128,7 @@ def attach_or_donate(
             found = find_donation(config, key)
             if found.model is None:
                 raise _NoDonation(key, found)
-            attachment = _lease(config, found.model, device, key)
-            try:
-                bind_donated(model, attachment, device)
-            except BaseException:
-                attachment.close()
-                raise
+            attachment = _bound(model, config, found.model, device, key)
     except _NoDonation as missing:
         return _load_and_donate(
             vllm_config, model_config, create_model, load_weights, config, device, missing
@@ -171,12 +179,7 @@ def _load_and_donate(
                 refused=exc.code,
             ) from exc
         del tensors
-        attachment = _lease(config, model_id, device, missing.key)
-        try:
-            bind_donated(model, attachment, device)
-        except BaseException:
-            attachment.close()
-            raise
+        attachment = _bound(model, config, model_id, device, missing.key)
     except WeightCacheError as exc:
         reason = record_fallback(exc, "serving its own load")
         return DonatedLoad(model, None, reason=reason, error=exc)

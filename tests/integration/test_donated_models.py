@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from engine_client.attach import attach
+from engine_client.attach import Attachment, attach
 from engine_client.client import ClientConfig
 from engine_client.verify import Expectations
 from harness.daemon_process import DaemonProcess, KeptDaemons, lease_body, start_daemon
@@ -26,18 +26,23 @@ def daemon(tmp_path: Path, tiny_fp8: Path) -> Iterator[DaemonProcess]:
     process.stop()
 
 
-def test_a_donation_is_leased_zero_copy_with_its_bytes(
-    daemon: DaemonProcess, tiny_fp8: Path
-) -> None:
-    tensors = some_tensors()
-    model = donate_tensors(daemon.url, key_for(tiny_fp8), tensors)
+def _attach(url: str, model: str) -> Attachment:
+    """A lease on the donated model ``model``, every byte checked against its checksum."""
     expect = Expectations(
         torch.device("cpu"),
         kernel=DONATED_KERNEL,
         supported_schemes=frozenset(),
         verify_checksums=True,
     )
-    with attach(model, expect, config=ClientConfig.from_env(url=daemon.url)) as attachment:
+    return attach(model, expect, config=ClientConfig.from_env(url=url))
+
+
+def test_a_donation_is_leased_zero_copy_with_its_bytes(
+    daemon: DaemonProcess, tiny_fp8: Path
+) -> None:
+    tensors = some_tensors()
+    model = donate_tensors(daemon.url, key_for(tiny_fp8), tensors)
+    with _attach(daemon.url, model) as attachment:
         assert attachment.zero_copy()
         for name, tensor in tensors.items():
             leased = attachment.tensors[name]
@@ -85,12 +90,6 @@ def test_a_donated_model_survives_a_restart_under_the_keeper(
             info = http.get(f"/v1/models/{model}").json()
         assert info["state"] == "ready", info
         assert info["donor"]["pid"] == os.getpid()
-        expect = Expectations(
-            torch.device("cpu"),
-            kernel=DONATED_KERNEL,
-            supported_schemes=frozenset(),
-            verify_checksums=True,
-        )
-        with attach(model, expect, config=ClientConfig.from_env(url=second.url)) as attachment:
+        with _attach(second.url, model) as attachment:
             for name, tensor in tensors.items():
                 assert torch.equal(attachment.tensors[name], tensor)
