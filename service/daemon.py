@@ -36,6 +36,7 @@ from service.keeper.custody import Custody
 from service.memory.devices import device_infos, use_plain_cuda_allocations
 from service.memory.shm import ArenaDir, remove_stale_files
 from service.metrics import Metrics, StateSnapshot
+from service.registry.donations import Donations
 from service.registry.grant import Grant
 from service.registry.lease_desk import LeaseDesk
 from service.registry.lease_holders import Caller
@@ -87,6 +88,15 @@ class Daemon:
             torch_version=torch.__version__,
         )
         self.arena_dir: ArenaDir | None = None
+        # Models engines donate (their vLLM's processing, kept and lent here); the routes use
+        # this registry directly.
+        self.donations = Donations(
+            self.models,
+            self.lock,
+            settings.allow_token_donations,
+            self.identity,
+            lambda: self.arena_dir,
+        )
 
     @property
     def startup_failure(self) -> tuple[str, WeightCacheError] | None:

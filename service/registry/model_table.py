@@ -17,6 +17,8 @@ from modelopt_fp8.checkpoint.opened import PathPolicy
 from modelopt_fp8.processing.pool import lower_priority
 from protocol.errors import (
     ArenaLostError,
+    DonationExistsError,
+    DonationNotFoundError,
     InsufficientMemoryError,
     InvalidRequestError,
     ModelExistsError,
@@ -33,7 +35,7 @@ from service.memory.devices import resolve_placements
 from service.memory.shm import ArenaDir
 from service.memory.trim import give_back_freed_memory
 from service.registry.header_budget import HeaderBudget
-from service.registry.loader import LoadCancelled, LoadRequest, load_model
+from service.registry.loader import LoadCancelled, LoadRequest, ResidentRank, load_model
 from service.registry.models import ModelRecord
 from service.registry.readiness import readiness as decide_readiness
 from service.settings import DaemonSettings
@@ -245,6 +247,45 @@ class ModelTable:
         self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
         return record
+
+    # --- donated models (service/registry/donations.py) ----------------------------------------
+
+    def add_donated(self, record: ModelRecord, nbytes: int) -> None:
+        """Register a model an engine is donating (no load thread: the donor writes it), past
+        the same caps and budget as a load; its id taken is a :class:`DonationExistsError`."""
+        with self.lock:
+            self._check_room()
+            if record.id in self.records:
+                raise DonationExistsError(
+                    f"{record.id} is held already ({self.records[record.id].state.value})",
+                    model=record.id,
+                )
+            self._reserve(record, nbytes)
+            self.records[record.id] = record
+
+    def publish_donated(self, record: ModelRecord, ranks: list[ResidentRank]) -> None:
+        """A committed donation is ready, as a finished load is (the keeper told); one
+        unloaded meanwhile is refused (its caller releases the arena)."""
+        with self.lock:
+            if self.records.get(record.id) is not record:
+                raise DonationNotFoundError(
+                    f"{record.id} was unloaded while donated", model=record.id
+                )
+            record.ranks = ranks
+            record.checkpoint = ranks[0].manifest.checkpoint
+            record.progress.bytes_done = record.progress.bytes_total
+            record.progress.tensors_done = record.progress.tensors_total
+            record.load_seconds = time.monotonic() - record.started_at
+            record.state = ModelState.ready
+        self.on_ready(record)
+
+    def remove_donated(self, record: ModelRecord) -> None:
+        """Forget a donation that did not complete (caller holds the lock; it releases the
+        arena)."""
+        if self.records.get(record.id) is record:
+            del self.records[record.id]
+        self._draining.discard(record)  # an unload during the donation marked it draining
+        record.reserved_bytes = 0
 
     def check_room(self) -> None:
         """Refuse one more model past ``max_models``, one more load past
