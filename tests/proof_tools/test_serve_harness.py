@@ -128,8 +128,12 @@ def test_the_scenarios_run_and_write_their_results(
         assert restart["engine"] == "H2"  # the standby that survived served on
     container = summary["scenarios"]["container"]
     assert container["volume"] == str(tmp_path / "vllm-cache")
-    assert summary["runs"]["K1"]["ok"] and summary["runs"]["K1"]["scenario"] == "container"
-    assert checks["K1: token ids equal the default loader's"]
+    for name in ("K0", "K1"):  # the warm restart in place, then the fresh filesystem's
+        assert summary["runs"][name]["ok"] and summary["runs"][name]["scenario"] == "container"
+        assert checks[f"{name}: token ids equal the default loader's"]
+    assert set(container["to_first_token_s"]) == {"K0", "K1"}
+    fresh = "container: the restart on an empty filesystem took its compiled graph from the kept"
+    assert checks[f"{fresh} cache volume"]
     crowd = summary["scenarios"]["crowd"]["runs"][0]
     assert crowd["answered"] == 3 and all(t > 0 for t in crowd["to_health_s"])
     assert 0 < crowd["utilization"] < 1
@@ -138,6 +142,7 @@ def test_the_scenarios_run_and_write_their_results(
         assert checks[f"{name}: token ids equal the default loader's"]
     table = (out / "table.md").read_text()
     assert "## 3 engines started at once" in table
+    assert "| K1 (weight_cache, empty filesystem, cache volume kept) |" in table
     assert "| A1 (auto) |" in table and "## The daemon killed and started again" in table
     assert (out / "logs.tar.gz").stat().st_size > 0
 
