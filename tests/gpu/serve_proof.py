@@ -523,22 +523,28 @@ class ServeProof:
         rule = self.args.crowd_utilization == "auto"
         crowd: dict[str, Any] = {"engines": count, "runs": [], "beside": beside, "rule": rule}
         self.summary["scenarios"][what] = crowd
-        serving = None
-        if beside:
-            serving, run = self.serve_run("S0", "weight_cache", what)
+        serving: ServeEngine | None = None
+        serving_kv: list[float | None] = []
+        engines_on_gpu = count + (1 if beside else 0)
+        if beside:  # at the crowd's share: the rule shares the GPU among all of them
+            serving = self.start_engine(
+                "S0", "weight_cache", utilization=self.crowd_utilization(engines_on_gpu)
+            )
+            run = self.finish_run(serving, "weight_cache", what)
             if not run["ok"]:
                 raise RuntimeError("the engine the crowd starts beside did not answer")
+            serving_kv = [run["phases"].get("kv_cache_gib")]
         for index in range(1, runs_asked + 1):
             if not self.fits(f"{what} run {index}", ENGINE_START_S + count * 15):
                 break
-            share = self.crowd_utilization(count + (1 if beside else 0))
+            share = self.crowd_utilization(engines_on_gpu)
             prefix = "CS" if beside else f"C{index}."
             engines = [
                 self.start_engine(f"{prefix}{i}", "weight_cache", utilization=share)
                 for i in range(1, count + 1)
             ]
             runs = [self.finish_run(engine, "weight_cache", what) for engine in engines]
-            kv = [run["phases"].get("kv_cache_gib") for run in runs]
+            kv = [run["phases"].get("kv_cache_gib") for run in runs] + serving_kv
             outcome: dict[str, Any] = {
                 "utilization": share,
                 "answered": sum(1 for run in runs if run["ok"]),
