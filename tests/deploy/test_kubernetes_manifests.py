@@ -12,9 +12,9 @@ import pytest
 
 from tests.deploy.kubernetes_files import (
     DAEMON_IMAGE_CONTAINERS,
+    ENGINE_IMAGE_CONTAINERS,
     NODE_ENGINE_CACHE,
     PREREQUISITES,
-    ENGINE_IMAGE_CONTAINERS,
     PROXY_CONTAINERS,
     RUN_DIR,
     TOPOLOGIES,
