@@ -398,4 +398,3 @@ def test_device_plugin_variant() -> None:
         assert {k: v for k, v in container.items() if k != "resources"} == {
             k: v for k, v in base.items() if k != "resources"
         }
-
