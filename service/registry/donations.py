@@ -183,7 +183,7 @@ class Donations:
             path=Path(req.key.checkpoint_path),
             tp_size=1,
             progress=Progress(bytes_total=layout.nbytes, tensors_total=len(req.tensors)),
-            donation=True,
+            given_by_engine=True,
         )
         donor = Donor(
             uid=caller.uid,

@@ -31,7 +31,7 @@ class Pressure(str, enum.Enum):
 def evictable(record: ModelRecord, leases: int, placement: Placement | None = None) -> bool:
     """Whether ``record``, with ``leases`` active leases on it, may be evicted (to make room on
     ``placement``: only a model with an arena there frees any)."""
-    if not record.donation or record.state is ModelState.loading or leases:
+    if not record.given_by_engine or record.state is ModelState.loading or leases:
         return False
     return placement is None or record.holds_on(placement)
 

@@ -138,7 +138,7 @@ class ModelTable:
             counts = {state.value: 0 for state in ModelState}
             resident = 0
             for record in self.records.values():
-                if record.donation:
+                if record.given_by_engine:
                     counts[record.state.value] += 1
                     if record.state is ModelState.ready:
                         resident += record.bytes_resident
@@ -366,9 +366,10 @@ class ModelTable:
             )
 
     def _evict(self, record: ModelRecord, pressure: Pressure) -> int:
-        """Forget ``record`` and release its arenas, as an unload does; its bytes."""
+        """Forget ``record`` and release its arenas, as an unload does; its bytes. Released
+        under the lock, unlike an unload: the caller allocates into the room next."""
         nbytes = record.bytes_resident
-        del self.records[record.id]
+        self.remove(record.id)
         self.on_gone(record)  # the keeper lets go of it
         record.release()
         record.reserved_bytes = 0

@@ -27,7 +27,7 @@ class ModelRecord:
     started_at: float = field(default_factory=time.monotonic)
     load_seconds: float | None = None
     reserved_bytes: int = 0  # memory budget claimed by this model (its arenas, once planned)
-    donation: bool = False  # an engine gave it (from its offer on), not this daemon's load
+    given_by_engine: bool = False  # donated (from its offer on), not loaded by this daemon
     last_used: float = field(default_factory=time.monotonic)  # its last lease's grant or end
 
     def touch(self) -> None:
