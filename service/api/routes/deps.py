@@ -1,5 +1,6 @@
-"""Route dependencies (async: FastAPI runs sync dependencies in a thread pool, a hop per
-request that the lease path cannot afford)."""
+"""What the routes share: their dependencies (async: FastAPI runs sync dependencies in a
+thread pool, a hop per request that the lease path cannot afford), path parameters, the router
+of routes that name their caller, and the empty answer of a removal."""
 
 from __future__ import annotations
 
