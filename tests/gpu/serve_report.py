@@ -186,12 +186,12 @@ def _container_checks(fresh: dict[str, Any] | None) -> list[dict[str, Any]]:
     did not compile again)."""
     if fresh is None or not fresh.get("ok"):
         return [_check("container: the restart on an empty filesystem answered", False)]
-    compiled = (fresh.get("phases") or {}).get("torch_compile_s")
+    compiled = (fresh.get("phases") or {}).get("torch_compile_s")  # None: vLLM logged none
     return [
         _check(
             "container: the restart on an empty filesystem took its compiled graph from the "
             f"kept cache volume (torch.compile {compiled} s)",
-            not fresh.get("cold"),
+            compiled is not None and not fresh.get("cold"),
         )
     ]
 
