@@ -52,6 +52,8 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
+import yaml
+
 from harness.daemon_process import free_port
 from harness.waiting import poll
 from tests.gpu.caddy_proxy import CADDYFILE, CaddyProxy, find_caddy
@@ -78,7 +80,7 @@ SCENARIOS = (
 )
 # Where a new container's filesystem has nothing of earlier starts: the caches other than vLLM's
 # own that a process finds through these (Triton's kernels, inductor's, XDG's) are not kept.
-CONTAINER_FRESH = ("XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+COMPOSE = Path(__file__).resolve().parents[2] / "docker" / "compose.yaml"
 ENGINE_START_S = 60.0  # a warm `vllm serve` of the 8B shape answered in 31-36 s on the H200
 COLD_EXTRA_S = 45.0  # torch.compile with an empty cache
 COLD_COMPILE_S = 15.0  # a start that compiled this long had no cache (warm: 1-3 s)
@@ -97,10 +99,20 @@ def compile_cache_root() -> Path:
     return Path(os.environ.get("VLLM_CACHE_ROOT", str(Path(cache_home) / "vllm"))).expanduser()
 
 
-def compile_cache_has_entries() -> bool:
-    """Whether vLLM's torch.compile cache holds anything."""
-    compiled = compile_cache_root() / "torch_compile_cache"
+def compile_cache_has_entries(root: Path | None = None) -> bool:
+    """Whether vLLM's torch.compile cache (under ``root``, default this machine's) holds
+    anything."""
+    compiled = (root or compile_cache_root()) / "torch_compile_cache"
     return compiled.is_dir() and any(compiled.iterdir())
+
+
+def engine_cache_env(volume: Path) -> dict[str, str]:
+    """The engine's cache variables as the deployments set them (compose's ``x-engine-cache``,
+    which every Kubernetes topology repeats), their mount point (``XDG_CACHE_HOME``, under
+    which they all lie) moved to ``volume``."""
+    block: dict[str, str] = yaml.safe_load(COMPOSE.read_text())["x-engine-cache"]
+    mount = Path(block["XDG_CACHE_HOME"])
+    return {name: str(volume / Path(path).relative_to(mount)) for name, path in block.items()}
 
 
 class ServeProof:
@@ -652,12 +664,12 @@ class ServeProof:
 
     def scenario_container(self) -> None:
         """A container's restart: a ``weight_cache`` engine on a new filesystem (an empty home
-        and temporary directory: no Triton or inductor cache of earlier starts) with vLLM's
-        cache on the kept volume (``VLLM_CACHE_ROOT``, as compose and the Kubernetes manifests
-        mount it). K0, the same engine in this machine's own environment just before, fills
-        the volume for exactly this configuration (vLLM keys its compile cache by the engine's
-        flags: an engine with sleep mode leaves nothing a plain one can use) and is the warm
-        restart K1 is timed beside."""
+        and temporary directory) with the engine's caches on the kept volume, set as the
+        deployments set them (:func:`engine_cache_env`: vLLM's, Triton's, inductor's and
+        FlashInfer's). K0, the same engine with the same volume in this machine's own home just
+        before, fills the volume for exactly this configuration (vLLM keys its compile cache by
+        the engine's flags: an engine with sleep mode leaves nothing a plain one can use) and is
+        the warm restart K1 is timed beside."""
         if not self.fits("container", 2 * ENGINE_START_S + COLD_EXTRA_S):
             return
         root = self.work / "container"
@@ -665,14 +677,15 @@ class ServeProof:
         home, tmp = root / "home", root / "tmp"
         home.mkdir(parents=True)
         tmp.mkdir()
-        volume = compile_cache_root()
-        container: dict[str, Any] = {"volume": str(volume)}
+        volume = self.work / "engine-cache"  # kept from call to call, as a volume is
+        cache = engine_cache_env(volume)
+        container: dict[str, Any] = {"volume": str(volume), "env": cache}
         self.summary["scenarios"]["container"] = container
-        engine, before = self.serve_run("K0", "weight_cache", "container")
+        engine = self.start_engine("K0", "weight_cache", env={**self.env, **cache})
+        before = self.finish_run(engine, "weight_cache", "container")
         engine.stop()
-        container["volume_had_entries"] = compile_cache_has_entries()
-        env = {k: v for k, v in self.env.items() if k not in CONTAINER_FRESH}
-        env.update(HOME=str(home), TMPDIR=str(tmp), VLLM_CACHE_ROOT=str(volume))
+        container["volume_had_entries"] = compile_cache_has_entries(Path(cache["VLLM_CACHE_ROOT"]))
+        env = {**self.env, **cache, "HOME": str(home), "TMPDIR": str(tmp)}
         engine = self.start_engine("K1", "weight_cache", env=env)
         try:
             after = self.finish_run(engine, "weight_cache", "container")

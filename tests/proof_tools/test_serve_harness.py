@@ -131,7 +131,13 @@ def test_the_scenarios_run_and_write_their_results(
         assert standby["account"]["slowest_in_window_s"] is not None
         assert restart["engine"] == "H2"  # the standby that survived served on
     container = summary["scenarios"]["container"]
-    assert container["volume"] == str(tmp_path / "vllm-cache")
+    volume = tmp_path / "w" / "engine-cache"
+    assert container["volume"] == str(volume)
+    # the deployments' cache variables, every one on the volume
+    assert {"VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"} <= set(
+        container["env"]
+    )
+    assert all(Path(path).is_relative_to(volume) for path in container["env"].values())
     for name in ("K0", "K1"):  # the warm restart in place, then the fresh filesystem's
         assert summary["runs"][name]["ok"] and summary["runs"][name]["scenario"] == "container"
         assert checks[f"{name}: token ids equal the default loader's"]
