@@ -165,18 +165,6 @@ class Donations:
         arena_dir = self.arena_dir()
         if arena_dir is None:
             raise ShmDirError("no shared-memory arena directory (see --shm-dir)")
-        free = self.models.make_free(
-            Placement(DeviceKind.cpu),
-            layout.nbytes,
-            lambda: shutil.disk_usage(arena_dir.path).free,
-        )
-        if layout.nbytes > free:
-            raise InsufficientMemoryError(
-                f"the donation needs {layout.nbytes} bytes of shared memory, "
-                f"{arena_dir.path} has {free}",
-                needed=layout.nbytes,
-                available=free,
-            )
         model_id = donated_model_id(req.key)
         record = ModelRecord(
             id=model_id,
@@ -199,6 +187,21 @@ class Donations:
                     model=model_id,
                 )
             self.models.add_donated(record, layout.nbytes)
+            # Room in shared memory last: a donation refused for its key or the caps evicts
+            # nobody for it.
+            free = self.models.make_free(
+                Placement(DeviceKind.cpu),
+                layout.nbytes,
+                lambda: shutil.disk_usage(arena_dir.path).free,
+            )
+            if layout.nbytes > free:
+                self.models.remove_donated(record)
+                raise InsufficientMemoryError(
+                    f"the donation needs {layout.nbytes} bytes of shared memory, "
+                    f"{arena_dir.path} has {free}",
+                    needed=layout.nbytes,
+                    available=free,
+                )
         try:
             arena = allocate_arena(
                 layout, Placement(DeviceKind.cpu), arena_dir, self.daemon.boot_id, model_id
