@@ -1,10 +1,12 @@
-"""Deterministic demo checkpoints in ModelOpt's FP8 export format, made without a network.
+"""Deterministic demo checkpoints, made without a network: in ModelOpt's FP8 export formats
+(which the daemon processes), and in block FP8 and bf16 (which engines donate).
 
-Random bf16-like weights in a real architecture's shapes are quantized the way ModelOpt does it
-(per tensor: ``scale = amax / 448``; per channel: one scale per output row), and written with the
-same files, tensor names, dtypes and configs a ``modelopt.torch.export.export_hf_checkpoint``
-export has. ``tiny`` is for tests: two layers, q/k/v with unequal scales, KV-cache scales, and a
-gate/up width that CUTLASS must pad. The larger shapes are for benchmarks.
+Random bf16-like weights in a real architecture's shapes are quantized the way each format's
+exporter does it (``service/demo_formats/``: ModelOpt per tensor, ``scale = amax / 448``, or per
+channel; block FP8 per 128x128 block; bf16 not at all), and written with the same files, tensor
+names, dtypes and configs such an export has. ``tiny`` is for tests: two layers, q/k/v with
+unequal scales, KV-cache scales, and a gate/up width that CUTLASS must pad; ``tiny-128`` is as
+small with widths block FP8's blocks divide. The larger shapes are for benchmarks.
 """
 
 from __future__ import annotations
@@ -18,10 +20,9 @@ import torch
 from safetensors.torch import save_file
 
 from modelopt_fp8.checkpoint.architecture import LinearSpec, ModelDims, linear_specs
-from modelopt_fp8.schemes import LinearScheme, demo_schemes
-from protocol.version import __version__
+from service.demo_formats import FORMATS, DemoFormat
 
-SCHEMES = demo_schemes()  # by demo name: fp8, fp8-pc-pt
+SCHEMES = FORMATS  # by demo name: fp8, fp8-pc-pt (ModelOpt's), fp8-block, bf16
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -52,6 +53,10 @@ SHAPES: dict[str, DemoShape] = {
     "tiny": DemoShape(
         _dims("LlamaForCausalLM", 64, 84, 4, 2, 16, 2, 256, False, False), "llama", True
     ),
+    # Every fused shard's rows a multiple of 128: what vLLM needs of block FP8's 128x128 blocks.
+    "tiny-128": DemoShape(
+        _dims("LlamaForCausalLM", 256, 384, 2, 1, 128, 2, 256, False, False), "llama", False
+    ),
     "qwen2.5-0.5b": DemoShape(
         _dims("Qwen2ForCausalLM", 896, 4864, 14, 2, 64, 24, 151936, True, True), "qwen2", False
     ),
@@ -63,17 +68,9 @@ SHAPES: dict[str, DemoShape] = {
 }
 
 
-def _config(shape: DemoShape, algo: str) -> dict[str, object]:
+def _config(shape: DemoShape, demo_format: DemoFormat) -> dict[str, object]:
     d = shape.dims
-    quantization_config: dict[str, object] = {
-        "ignore": ["lm_head", "model.embed_tokens"],
-        "quant_algo": algo,
-        "producer": {"name": "weight-cache-demo", "version": __version__},
-        "quant_method": "modelopt",
-    }
-    if shape.kv_cache:
-        quantization_config["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
-    return {
+    config: dict[str, object] = {
         "architectures": [d.architecture],
         "model_type": shape.model_type,
         "attention_bias": d.qkv_bias,
@@ -91,19 +88,16 @@ def _config(shape: DemoShape, algo: str) -> dict[str, object]:
         "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
         "tie_word_embeddings": d.tie_word_embeddings,
         "vocab_size": d.vocab_size,
-        "quantization_config": quantization_config,
     }
+    quantization_config = demo_format.quantization_config(_kv_cache(shape, demo_format))
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    return config
 
 
-def _hf_quant_config(shape: DemoShape, algo: str) -> dict[str, object]:
-    return {
-        "producer": {"name": "weight-cache-demo", "version": __version__},
-        "quantization": {
-            "quant_algo": algo,
-            "kv_cache_quant_algo": "FP8" if shape.kv_cache else None,
-            "exclude_modules": ["lm_head", "model.embed_tokens"],
-        },
-    }
+def _kv_cache(shape: DemoShape, demo_format: DemoFormat) -> bool:
+    """Whether KV-cache scales are written: the shape has them and the format writes them."""
+    return shape.kv_cache and demo_format.kv_cache_scales
 
 
 class _Generator:
@@ -135,14 +129,14 @@ class _Generator:
 
 
 def _linear_tensors(
-    spec: LinearSpec, scheme: LinearScheme, kv_cache: bool, gen: _Generator
+    spec: LinearSpec, demo_format: DemoFormat, kv_cache: bool, gen: _Generator
 ) -> Iterator[tuple[str, torch.Tensor]]:
     # ModelOpt gives the projections that share an input (the shards of one fused layer) the
     # same input scale, and each its own weight scale.
     input_scale = gen.uniform(0.005, 0.05)
     for shard in spec.shards:
         weight = gen.weight(shard.rows, spec.input_size)
-        yield from scheme.export(shard.checkpoint_prefix, weight, input_scale)
+        yield from demo_format.export(shard.checkpoint_prefix, weight, input_scale)
         if spec.has_bias:
             yield f"{shard.checkpoint_prefix}.bias", gen.bf16((shard.rows,), 0.02)
         if kv_cache and shard.shard_id in ("k", "v"):
@@ -153,7 +147,7 @@ def _linear_tensors(
 
 
 def _tensors(
-    shape: DemoShape, scheme: LinearScheme, gen: _Generator
+    shape: DemoShape, demo_format: DemoFormat, gen: _Generator
 ) -> Iterator[tuple[str, torch.Tensor]]:
     d = shape.dims
     norm_names = {
@@ -166,7 +160,7 @@ def _tensors(
         if kind in norm_names:
             block = layer_prefix.rsplit(".", 1)[0]
             yield f"{block}.{norm_names[kind]}.weight", gen.bf16((d.hidden_size,), 0.1) + 1.0
-        yield from _linear_tensors(spec, scheme, shape.kv_cache, gen)
+        yield from _linear_tensors(spec, demo_format, _kv_cache(shape, demo_format), gen)
     yield "model.norm.weight", gen.bf16((d.hidden_size,), 0.1) + 1.0
     if not d.tie_word_embeddings:
         yield "lm_head.weight", gen.bf16((d.vocab_size, d.hidden_size), 0.02)
@@ -209,8 +203,9 @@ def write_demo_checkpoint(
         raise ValueError(f"scheme must be one of {sorted(SCHEMES)}")
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {sorted(SHAPES)}")
-    quantized, demo = SCHEMES[scheme], SHAPES[shape]
-    algo = str(quantized.quant_algo)
+    demo_format, demo = SCHEMES[scheme], SHAPES[shape]
+    for spec in linear_specs(demo.dims):
+        demo_format.check_layer(spec)
     out.mkdir(parents=True, exist_ok=True)
     gen = _Generator(seed, device)
     current: dict[str, torch.Tensor] = {}
@@ -222,7 +217,7 @@ def write_demo_checkpoint(
         files.append(list(current))
         current.clear()
 
-    for name, tensor in _tensors(demo, quantized, gen):
+    for name, tensor in _tensors(demo, demo_format, gen):
         nbytes = tensor.numel() * tensor.element_size()
         if current and size + nbytes > shard_bytes:
             flush()
@@ -249,6 +244,8 @@ def write_demo_checkpoint(
     if len(files) > 1:
         index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
-    (out / "config.json").write_text(json.dumps(_config(demo, algo), indent=4))
-    (out / "hf_quant_config.json").write_text(json.dumps(_hf_quant_config(demo, algo), indent=4))
+    (out / "config.json").write_text(json.dumps(_config(demo, demo_format), indent=4))
+    hf_quant_config = demo_format.hf_quant_config(_kv_cache(demo, demo_format))
+    if hf_quant_config is not None:
+        (out / "hf_quant_config.json").write_text(json.dumps(hf_quant_config, indent=4))
     return out

@@ -1,4 +1,5 @@
-"""``weight-cache demo-checkpoint``: write a deterministic ModelOpt FP8 checkpoint."""
+"""``weight-cache demo-checkpoint``: write a deterministic demo checkpoint (ModelOpt FP8, which
+the daemon processes; block FP8 or bf16, which engines donate)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from pathlib import Path
 import click
 
 # The choices only: service.demo itself (torch) is imported when the command runs.
-SCHEMES = ("fp8", "fp8-pc-pt")
-SHAPES = ("tiny", "qwen2.5-0.5b", "llama-8b")
+SCHEMES = ("fp8", "fp8-pc-pt", "fp8-block", "bf16")
+SHAPES = ("tiny", "tiny-128", "qwen2.5-0.5b", "llama-8b")
 
 
 @click.command("demo-checkpoint")
@@ -18,16 +19,18 @@ SHAPES = ("tiny", "qwen2.5-0.5b", "llama-8b")
     type=click.Choice(SCHEMES),
     default="fp8",
     show_default=True,
-    help="ModelOpt's quant_algo: fp8 is FP8 (per-tensor scales), fp8-pc-pt is "
-    "FP8_PER_CHANNEL_PER_TOKEN.",
+    help="The export format: fp8 is ModelOpt's FP8 (per-tensor scales), fp8-pc-pt its "
+    "FP8_PER_CHANNEL_PER_TOKEN (both processed by the daemon); fp8-block is block FP8 as "
+    "Qwen3-FP8 exports it (128x128 blocks, weight_scale_inv), bf16 is unquantized (both loaded "
+    "by vLLM and donated).",
 )
 @click.option(
     "--shape",
     type=click.Choice(SHAPES),
     default="tiny",
     show_default=True,
-    help="The model's dimensions: tiny (the demo model, 128 KiB), qwen2.5-0.5b's or "
-    "Llama-3.1-8B's (9.1 GB).",
+    help="The model's dimensions: tiny (the demo model, 128 KiB), tiny-128 (1 to 2 MiB, widths "
+    "block FP8's blocks divide), qwen2.5-0.5b's or Llama-3.1-8B's (9.1 GB).",
 )
 @click.option(
     "--seed",
@@ -52,7 +55,7 @@ SHAPES = ("tiny", "qwen2.5-0.5b", "llama-8b")
 def demo_checkpoint(
     out: Path, scheme: str, shape: str, seed: int, shard_size_mb: int, device: str
 ) -> None:
-    """Write a demo checkpoint in ModelOpt's FP8 export format to OUT (no network)."""
+    """Write a demo checkpoint to OUT (no network)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
     from service.demo import SHAPES as SHAPE_DIMS

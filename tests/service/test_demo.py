@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness.checkpoint_tools import all_tensors
 from modelopt_fp8.checkpoint import Checkpoint
@@ -83,3 +84,44 @@ def test_rejects_unknown_scheme_or_shape(tmp_path: Path) -> None:
         write_demo_checkpoint(tmp_path, "nvfp4", "tiny")
     with pytest.raises(ValueError, match="shape"):
         write_demo_checkpoint(tmp_path, "fp8", "huge")
+
+
+def test_block_fp8_is_written_as_qwen3_fp8_exports_it(tmp_path: Path) -> None:
+    """Every linear weight float8_e4m3fn with one float32 ``weight_scale_inv`` per 128x128
+    block (its largest value at FP8's largest), the rest bf16, ``quant_method`` fp8 and no
+    ModelOpt file."""
+    out = write_demo_checkpoint(tmp_path / "block", "fp8-block", "tiny-128")
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == {
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic",
+    }
+    assert not (out / "hf_quant_config.json").exists()
+    tensors = all_tensors(out)
+    weights = {n[: -len(".weight")] for n in tensors if n.endswith("proj.weight")}
+    assert weights and not [n for n in tensors if n.endswith(("_scale", "input_scale"))]
+    for prefix in weights:
+        weight, scale = tensors[f"{prefix}.weight"], tensors[f"{prefix}.weight_scale_inv"]
+        n, k = weight.shape
+        assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+        assert scale.shape == (-(-n // 128), -(-k // 128))
+        blocks = weight.float().view(n // 128, 128, k // 128, 128)
+        assert torch.equal(blocks.abs().amax(dim=(1, 3)), torch.full(scale.shape, 448.0))
+    others = {n: t for n, t in tensors.items() if not n.endswith(("proj.weight", "_inv"))}
+    assert others and {t.dtype for t in others.values()} == {torch.bfloat16}
+
+
+def test_bf16_has_no_quantization(tmp_path: Path) -> None:
+    out = write_demo_checkpoint(tmp_path / "bf16", "bf16", "tiny")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert not (out / "hf_quant_config.json").exists()
+    tensors = all_tensors(out)
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    assert not [n for n in tensors if "scale" in n]
+
+
+def test_block_fp8_refuses_a_shape_vllm_could_not_load(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"q_proj has 64 rows"):
+        write_demo_checkpoint(tmp_path / "x", "fp8-block", "tiny")
+    assert not (tmp_path / "x").exists()

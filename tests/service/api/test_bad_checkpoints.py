@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from service.demo import write_demo_checkpoint
 from tests.corpus import CORPUS, make_broken
 from tests.service.api.conftest import Served
 
@@ -31,3 +32,24 @@ def test_broken_checkpoint(served: Served, tiny_fp8: Path, tmp_path: Path, kind:
     assert lease.status_code == 201  # the good model is untouched
     r = served.client.post("/v1/leases", json=served.lease_body(model=kind))
     assert r.status_code == 409 and r.json()["reason"] == CORPUS[kind][1]
+
+
+@pytest.mark.parametrize(
+    ("scheme", "named"),
+    [
+        ("fp8-block", "quant_method is 'fp8', not 'modelopt'"),
+        ("bf16", "no hf_quant_config.json and no modelopt quantization_config"),
+    ],
+)
+def test_a_format_engines_donate_is_refused_by_name(
+    served: Served, tmp_path: Path, scheme: str, named: str
+) -> None:
+    """Block FP8 and bf16 are not the daemon's to process: the load fails saying which format
+    it is not (an engine on it donates instead, docs/donations.md)."""
+    checkpoint = write_demo_checkpoint(tmp_path / scheme, scheme, "tiny-128")
+    r = served.client.post("/v1/models", json={"path": str(checkpoint), "id": scheme})
+    assert r.status_code == 202, r.text
+    info = served.wait_ready(scheme)
+    assert info["state"] == "failed" and info["bytes_resident"] == 0
+    assert info["error"]["code"] == "not_modelopt_checkpoint", info["error"]
+    assert named in info["error"]["detail"]
