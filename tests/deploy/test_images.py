@@ -140,4 +140,3 @@ def test_the_build_script_skips_cleanly_without_a_docker_daemon() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout == f"skipped: {why}; built none of {DAEMON_TAG}, {ENGINE_TAG}\n"
     assert "images:" in (ROOT / "Makefile").read_text()
-

@@ -12,9 +12,9 @@ import pytest
 
 from tests.deploy.kubernetes_files import (
     DAEMON_IMAGE_CONTAINERS,
+    ENGINE_IMAGE_CONTAINERS,
     NODE_ENGINE_CACHE,
     PREREQUISITES,
-    ENGINE_IMAGE_CONTAINERS,
     PROXY_CONTAINERS,
     RUN_DIR,
     TOPOLOGIES,
@@ -398,4 +398,3 @@ def test_device_plugin_variant() -> None:
         assert {k: v for k, v in container.items() if k != "resources"} == {
             k: v for k, v in base.items() if k != "resources"
         }
-
