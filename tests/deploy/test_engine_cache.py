@@ -184,12 +184,14 @@ def test_node_cache_engines_share_the_node_directory() -> None:
     assert arg_after(check["args"], "--writable") == mount["mountPath"]
 
 
-@pytest.mark.parametrize("pod", engine_pods(), ids=lambda p: p.name)
+def restricted(pod: Pod) -> bool:
+    (namespace,) = [r for r in rendered(pod.topology) if r["kind"] == "Namespace"]
+    return namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+@pytest.mark.parametrize("pod", [p for p in engine_pods() if restricted(p)], ids=lambda p: p.name)
 def test_restricted_topologies_keep_the_cache_in_the_pod(pod: Pod) -> None:
     """A Restricted namespace admits no hostPath: the cache is the pod's emptyDir."""
-    (namespace,) = [r for r in rendered(pod.topology) if r["kind"] == "Namespace"]
-    if namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] != "restricted":
-        pytest.skip(f"{pod.topology}: the node's directory (test_node_cache_engines_share...)")
     (engine,) = [c for c in pod.containers() if c["name"] == "engine"]
     volume = cache_volume(pod, engine, engine_cache()["VLLM_CACHE_ROOT"])
     assert RESTRICTED_CACHE in volume
