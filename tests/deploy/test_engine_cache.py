@@ -186,7 +186,8 @@ def test_node_cache_engines_share_the_node_directory() -> None:
 
 def restricted(pod: Pod) -> bool:
     (namespace,) = [r for r in rendered(pod.topology) if r["kind"] == "Namespace"]
-    return namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    enforced: str = namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
+    return enforced == "restricted"
 
 
 @pytest.mark.parametrize("pod", [p for p in engine_pods() if restricted(p)], ids=lambda p: p.name)

@@ -151,7 +151,7 @@ def pod_ids(pod: Pod) -> str:
 
 
 def prerequisites(pod: Pod) -> dict[str, Any]:
-    first = pod.spec["initContainers"][0]
+    first: dict[str, Any] = pod.spec["initContainers"][0]
     assert first["name"] == PREREQUISITES, pod.name
     return first
 
