@@ -4,7 +4,8 @@ Where no Docker daemon answers, it says so and exits 0 having built nothing. Oth
 ``weight-cache:VERSION`` (docker/Dockerfile) and ``vllm-weight-cache:VERSION``
 (docker/Dockerfile.vllm), VERSION being the package's, the tags compose and the Kubernetes
 manifests name, and checks each: the vLLM inside is the pinned one (the torch and CUDA it
-carries are printed), the daemon serves its demo model on the CPU until ``/ready``, the engine
+carries are printed), the daemon serves its demo model on the CPU until ``/ready`` and carries
+the Kubernetes pods' prerequisites check (which names a missing Secret), the engine
 image's vLLM has the ``weight_cache`` load format. No GPU is needed for any of it. Exit status 1
 when a build or a check fails.
 """
@@ -106,6 +107,20 @@ def smoke_daemon(docker: str, tag: str) -> None:
         subprocess.run([docker, "rm", "-f", name], capture_output=True, check=False)
 
 
+def smoke_prerequisites(docker: str, tag: str) -> None:
+    """The daemon image carries the Kubernetes pods' prerequisites check where they run it, and
+    the check names a missing Secret."""
+    done = subprocess.run(
+        [docker, "run", "--rm", "--entrypoint", "python3", tag,
+         "/opt/weight-cache/check_prerequisites.py", "--token-file", "/nonexistent/token"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )  # fmt: skip
+    said = done.stdout + done.stderr
+    assert done.returncode == 1 and "weight-cache-token" in said, f"{tag}: prerequisites: {said}"
+
+
 def smoke_versions(docker: str, tag: str, engine: bool) -> None:
     """vLLM as pinned (and, in the engine image, the loader's registration) inside the image;
     the torch and CUDA it carries are printed."""
@@ -142,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             smoke_versions(docker, daemon_tag, engine=False)
             smoke_versions(docker, engine_tag, engine=True)
             smoke_daemon(docker, daemon_tag)
+            smoke_prerequisites(docker, daemon_tag)
     except (RuntimeError, AssertionError) as exc:
         print(f"failed: {exc}", file=sys.stderr)
         return 1

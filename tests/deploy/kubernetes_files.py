@@ -26,6 +26,16 @@ TOPOLOGIES = sorted(p.name for p in KUBERNETES.iterdir() if (p / KUSTOMIZATION).
 # 1.34 serves DRA's resource.k8s.io/v1 by default (GA; v1beta1 and v1beta2 need opting in) and
 # has DRA admin access on by default (beta), and native sidecar containers (GA in 1.33).
 MIN_KUBERNETES = "1.34.0"
+
+# GPUs come from NVIDIA's DRA driver (resource.k8s.io) or from its device plugin (nvidia.com/gpu):
+# every topology on DRA has a twin of the same name with this suffix on the device plugin, but
+# those DRA alone can serve (README.md: "Choosing a topology" says why).
+DEVICE_PLUGIN_SUFFIX = "-device-plugin"
+DEVICE_PLUGIN_GPU = "nvidia.com/gpu"
+DRA_ONLY = {"node-cache"}
+# Variants of the sidecar, each a kustomize Component under components/ applied to either GPU way.
+LEGACY_IPC = "legacy-ipc"
+WARM_STANDBY = "warm-standby"
 DRA_API_VERSION = "resource.k8s.io/v1"
 
 # Containers by what they run: the daemon image (docker/Dockerfile) or the engine image
@@ -51,6 +61,21 @@ PENDING_VARIABLES = {
 }
 
 WORKLOAD_KINDS = {"Deployment", "DaemonSet", "StatefulSet", "Job"}
+
+
+@functools.cache
+def on_device_plugin(topology: str) -> bool:
+    return topology.endswith(DEVICE_PLUGIN_SUFFIX)
+
+
+def dra_twin(topology: str) -> str:
+    """The topology on DRA that a device-plugin topology is the twin of (itself for DRA)."""
+    return topology.removesuffix(DEVICE_PLUGIN_SUFFIX)
+
+
+def is_variant(topology: str, variant: str) -> bool:
+    """Whether ``topology`` is the sidecar with ``variant`` (a component), on either GPU way."""
+    return dra_twin(topology) == f"sidecar-{variant}"
 
 
 @functools.cache

@@ -1,6 +1,8 @@
 """Render a kustomization as ``kubectl apply -k`` does, for the part of kustomize the manifests
-under ``deploy/kubernetes`` use: ``resources`` (files, and directories holding a kustomization)
-and ``patches`` given inline as JSON 6902 operations on a target. kustomize itself is a Go program
+under ``deploy/kubernetes`` use: ``resources`` (files, and directories holding a kustomization),
+``components`` (directories holding a Component: its resources added, then its patches applied
+to everything accumulated so far, as kustomize does before the parent's own patches) and
+``patches`` given inline as JSON 6902 operations on a target. kustomize itself is a Go program
 that PyPI does not ship, so the checks render here; the operations are applied by ``jsonpatch``
 (RFC 6902, as kustomize applies them), and any other kustomization field is refused rather than
 rendered differently from kustomize.
@@ -16,7 +18,11 @@ import jsonpatch
 import yaml
 
 KUSTOMIZATION = "kustomization.yaml"
-FIELDS = {"apiVersion", "kind", "resources", "patches"}
+FIELDS = {"apiVersion", "kind", "resources", "components", "patches"}
+KINDS = {
+    "Kustomization": "kustomize.config.k8s.io/v1beta1",
+    "Component": "kustomize.config.k8s.io/v1alpha1",
+}
 PATCH_FIELDS = {"target", "patch"}
 TARGET_FIELDS = {"group", "version", "kind", "name", "namespace"}
 
@@ -27,10 +33,16 @@ class KustomizationError(ValueError):
     """A kustomization these checks cannot render as kustomize would."""
 
 
-def load_kustomization(directory: Path) -> dict[str, Any]:
+def load_kustomization(directory: Path, kind: str = "Kustomization") -> dict[str, Any]:
     data = yaml.safe_load((directory / KUSTOMIZATION).read_text())
-    if not isinstance(data, dict) or data.get("kind") != "Kustomization":
-        raise KustomizationError(f"{directory / KUSTOMIZATION} is not a Kustomization")
+    if (
+        not isinstance(data, dict)
+        or data.get("kind") != kind
+        or data.get("apiVersion") != KINDS[kind]
+    ):
+        raise KustomizationError(f"{directory / KUSTOMIZATION} is not a {kind} ({KINDS[kind]})")
+    if kind == "Component" and "components" in data:
+        raise KustomizationError(f"{directory / KUSTOMIZATION}: nested components")
     unknown = set(data) - FIELDS
     if unknown:
         raise KustomizationError(
@@ -74,9 +86,7 @@ def _apply_patch(resources: list[Resource], entry: dict[str, Any], where: Path) 
             ) from exc
 
 
-def render(directory: Path) -> list[Resource]:
-    """Every resource the kustomization in ``directory`` builds, in order, patched."""
-    data = load_kustomization(directory)
+def _load_resources(directory: Path, data: dict[str, Any]) -> list[Resource]:
     resources: list[Resource] = []
     for entry in data.get("resources", []):
         path = directory / entry
@@ -84,6 +94,19 @@ def render(directory: Path) -> list[Resource]:
             resources += render(path)
         else:
             resources += [copy.deepcopy(d) for d in yaml.safe_load_all(path.read_text()) if d]
+    return resources
+
+
+def render(directory: Path) -> list[Resource]:
+    """Every resource the kustomization in ``directory`` builds, in order, patched."""
+    data = load_kustomization(directory)
+    resources = _load_resources(directory, data)
+    for entry in data.get("components", []):
+        component = directory / entry
+        loaded = load_kustomization(component, "Component")
+        resources += _load_resources(component, loaded)
+        for patch in loaded.get("patches", []):
+            _apply_patch(resources, patch, component / KUSTOMIZATION)
     for entry in data.get("patches", []):
         _apply_patch(resources, entry, directory / KUSTOMIZATION)
     ids = [resource_id(r) for r in resources]

@@ -31,6 +31,17 @@ def test_the_topologies_are_there() -> None:
     assert {"sidecar", "sidecar-legacy-ipc", "node-cache"} <= set(TOPOLOGIES)
 
 
+@pytest.mark.parametrize(
+    "directory",
+    [p.parent for p in sorted(KUBERNETES.glob("components/*/kustomization.yaml"))],
+    ids=lambda p: p.name,
+)
+def test_every_component_file_is_in_its_component(directory: Path) -> None:
+    listed = set(load_kustomization(directory, "Component").get("resources", []))
+    present = {p.name for p in directory.glob("*.yaml")} - {KUSTOMIZATION}
+    assert listed == present
+
+
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_every_manifest_file_is_in_its_kustomization(topology: str) -> None:
     """A manifest left out of its kustomization is never applied."""

@@ -12,15 +12,24 @@ import pytest
 
 from tests.deploy.kubernetes_files import (
     DAEMON_IMAGE_CONTAINERS,
+    DEVICE_PLUGIN_GPU,
+    DEVICE_PLUGIN_SUFFIX,
+    DRA_ONLY,
     ENGINE_IMAGE_CONTAINERS,
+    GUIDE,
+    LEGACY_IPC,
     NODE_ENGINE_CACHE,
     PREREQUISITES,
     PROXY_CONTAINERS,
     RUN_DIR,
     TOPOLOGIES,
+    WARM_STANDBY,
     Pod,
     arg_after,
+    dra_twin,
     env_of,
+    is_variant,
+    on_device_plugin,
     pods,
     rendered,
 )
@@ -98,7 +107,7 @@ def test_host_paths_only_for_the_run_directory_and_the_engine_cache(pod: Pod) ->
 def test_process_namespace_shared_only_for_legacy_ipc(pod: Pod) -> None:
     legacy = not uses_fd_handles(pod)
     assert bool(pod.spec.get("shareProcessNamespace")) is legacy
-    assert legacy == (pod.topology == "sidecar-legacy-ipc")
+    assert legacy == is_variant(pod.topology, LEGACY_IPC)
     daemon = pod.container("daemon")
     if daemon is not None:
         # legacy IPC memory dies with the daemon's process: no keeper to hold it
@@ -107,14 +116,10 @@ def test_process_namespace_shared_only_for_legacy_ipc(pod: Pod) -> None:
         assert env_of(daemon)["WEIGHT_CACHE_KEEPER"] == expected
 
 
-DEVICE_PLUGIN = "sidecar-device-plugin"
-DEVICE_PLUGIN_GPU = "nvidia.com/gpu"
-
-
 @pytest.mark.parametrize("pod", PODS, ids=pod_ids)
 def test_one_gpu_claim_for_every_cuda_container(pod: Pod) -> None:
-    if pod.topology == DEVICE_PLUGIN:
-        pytest.skip("no DRA claim on the device plugin: test_device_plugin_variant")
+    if on_device_plugin(pod.topology):
+        pytest.skip("no DRA claim on the device plugin: test_device_plugin_twin")
     declared = {c["name"]: c for c in pod.spec.get("resourceClaims", [])}
     named = {
         c["name"]: {claim["name"] for claim in c["resources"].get("claims", [])}
@@ -261,9 +266,9 @@ def test_sidecar_pod_starts_keeper_then_daemon_then_engine() -> None:
         sidecars = [c["name"] for c in init]
         assert all(c.get("restartPolicy") == "Always" for c in init)
         assert sidecars == (
-            ["daemon"] if pod.topology == "sidecar-legacy-ipc" else ["keeper", "daemon"]
+            ["daemon"] if is_variant(pod.topology, LEGACY_IPC) else ["keeper", "daemon"]
         )
-        warm = pod.topology == "sidecar-warm-standby"
+        warm = is_variant(pod.topology, WARM_STANDBY)
         expected = ["engine", "engine-b", "proxy"] if warm else ["engine"]
         assert [c["name"] for c in pod.spec["containers"]] == expected
         assert pod.workload["spec"]["replicas"] == 1
@@ -338,13 +343,17 @@ def is_warm_standby(container: dict[str, Any]) -> bool:
     return command[:2] == ["weight-cache", "standby"]
 
 
-def test_warm_standby_variant() -> None:
+WARM_STANDBY_PODS = [p for p in PODS if is_variant(p.topology, WARM_STANDBY)]
+
+
+@pytest.mark.parametrize("pod", WARM_STANDBY_PODS, ids=pod_ids)
+def test_warm_standby_variant(pod: Pod) -> None:
     """Both engines under `weight-cache standby` with vLLM's sleep mode, alike but for their
     port; Caddy in front on docker/Caddyfile (the same text), healthy only while awake, three
-    checks in a row; the Service on the proxy."""
+    checks in a row; the Service on the proxy. On either GPU way."""
     from engine_client.engine_api import SLEEP_FLAG
 
-    (pod,) = [p for p in PODS if p.topology == "sidecar-warm-standby"]
+    assert len(WARM_STANDBY_PODS) == 2
     engines = [c for c in pod.containers() if c["name"] in ("engine", "engine-b")]
     for engine in engines:
         assert is_warm_standby(engine) and SLEEP_FLAG in engine["args"], engine["name"]
@@ -377,24 +386,59 @@ def test_services_reach_engines(topology: str) -> None:
         assert {p["targetPort"] for p in service["spec"]["ports"]} <= names
 
 
-def test_device_plugin_variant() -> None:
-    """The sidecar pod on NVIDIA's device plugin: no DRA object or claim anywhere, one
-    nvidia.com/gpu for the daemon and one for the engine (a time-sliced GPU shared by both, on
-    single-GPU nodes), none for the keeper; otherwise the sidecar's pod as it is."""
-    resources = rendered(DEVICE_PLUGIN)
+DEVICE_PLUGIN_TOPOLOGIES = [t for t in TOPOLOGIES if on_device_plugin(t)]
+GPU_CONTAINERS = {"daemon", "engine", "engine-b"}  # the keeper holds descriptors, no context
+
+
+@pytest.mark.parametrize("topology", DEVICE_PLUGIN_TOPOLOGIES)
+def test_device_plugin_twin(topology: str) -> None:
+    """A topology on NVIDIA's device plugin is its DRA twin with the claims replaced: no DRA
+    object or claim anywhere, one nvidia.com/gpu for each container with a CUDA context (a
+    time-sliced GPU shared by them, on single-GPU nodes), none for the others; otherwise the
+    twin's pod as it is."""
+    resources = rendered(topology)
     assert not [r for r in resources if r["apiVersion"].startswith("resource.k8s.io/")]
-    (pod,) = [p for p in PODS if p.topology == DEVICE_PLUGIN]
-    (sidecar,) = [p for p in PODS if p.topology == "sidecar"]
+    twin = dra_twin(topology)
+    assert [(r["kind"], r["metadata"]["name"]) for r in resources] == [
+        (r["kind"], r["metadata"]["name"])
+        for r in rendered(twin)
+        if not r["apiVersion"].startswith("resource.k8s.io/")
+    ]
+    (pod,) = [p for p in PODS if p.topology == topology]
+    (base,) = [p for p in PODS if p.topology == twin]
     assert "resourceClaims" not in pod.spec
     assert pod.spec["nodeSelector"] == {"nvidia.com/gpu.count": "1"}
+    assert [c["name"] for c in pod.containers()] == [c["name"] for c in base.containers()]
     for container in pod.containers():
         resources_of = container["resources"]
         assert "claims" not in resources_of, container["name"]
         gpus = {k: v.get(DEVICE_PLUGIN_GPU) for k, v in resources_of.items()}
-        wanted = "1" if container["name"] in {"daemon", "engine"} else None
+        wanted = "1" if container["name"] in GPU_CONTAINERS else None
         assert gpus == {"requests": wanted, "limits": wanted}, container["name"]
-        base = sidecar.container(container["name"])
-        assert base is not None
+        same = base.container(container["name"])
+        assert same is not None
         assert {k: v for k, v in container.items() if k != "resources"} == {
-            k: v for k, v in base.items() if k != "resources"
+            k: v for k, v in same.items() if k != "resources"
         }
+
+
+@pytest.mark.parametrize("topology", [t for t in TOPOLOGIES if not on_device_plugin(t)])
+def test_every_topology_has_a_device_plugin_way_or_says_why_not(topology: str) -> None:
+    twin = f"{topology}{DEVICE_PLUGIN_SUFFIX}"
+    assert (twin in TOPOLOGIES) is (topology not in DRA_ONLY)
+    if topology in DRA_ONLY:
+        guide = GUIDE.read_text()
+        start = guide.index("**NVIDIA's device plugin instead of DRA")
+        assert f"`{topology}/`" in guide[start : guide.index("\n\n", start)]
+
+
+def test_time_slicing_replicas_are_stated_for_each_device_plugin_topology() -> None:
+    """The node's one GPU must be sliced into as many replicas as a pod asks for: said in the
+    guide, per topology, and equal to what its pod asks."""
+    guide = GUIDE.read_text()
+    for topology in DEVICE_PLUGIN_TOPOLOGIES:
+        (pod,) = [p for p in PODS if p.topology == topology]
+        asked = sum(
+            int(c["resources"]["limits"].get(DEVICE_PLUGIN_GPU, 0)) for c in pod.containers()
+        )
+        assert f"`{topology}/` | {asked} |" in guide, (topology, asked)
