@@ -27,6 +27,11 @@ class LoaderOptions(BaseModel):
     timeout: float = Field(default=DEFAULT_TIMEOUT_S, gt=0)
     wait: float = Field(default=0.0, ge=0)
     verify_checksums: bool = False
+    donate: bool | None = Field(
+        default=None,
+        description="attach to a donated model, else load with vLLM and donate: by default "
+        "for checkpoints the daemon does not process; true for any, false for none",
+    )
     handle_socket: str | None = Field(
         default=None,
         description="the daemon's handle socket, if not at the path its grants name "

@@ -102,3 +102,29 @@ def hollow_layers(path: Path, config_from: Path, layers: int) -> Path:
     header += b" " * (-len(header) % 8)
     (path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
     return path
+
+
+def dequantized(src: Path, dst: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """``src`` (a per-tensor ModelOpt FP8 export) as a plain checkpoint of ``dtype``: each FP8
+    weight times its scale, the activation and KV-cache scales dropped, no quantization config.
+    A checkpoint the daemon does not process, which vLLM loads with its default loader."""
+    dst.mkdir(parents=True)
+    tensors = all_tensors(src)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name.endswith(("_scale", ".input_scale")):
+            continue
+        plain = tensor
+        if tensor.dtype == torch.float8_e4m3fn:
+            scale = tensors[name.removesuffix("weight") + "weight_scale"].float()
+            plain = tensor.float() * scale.reshape(-1, *([1] * (tensor.dim() - 1)))
+        out[name] = plain.to(dtype).contiguous()
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.suffix == ".json" and f.name not in ("hf_quant_config.json", "config.json"):
+            shutil.copy(f, dst / f.name)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config", None)
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst

@@ -48,6 +48,10 @@ class Reason(str, enum.Enum):
     bind_failed = "bind_failed"  # vLLM's model disagreed with the lease
     unsupported_module = "unsupported_module"  # vLLM built a tensor neither side provides
     leased_read_only = "leased_read_only"  # an in-place reload of shared, leased weights
+    # Donated models (a checkpoint the daemon does not process).
+    donation_differs = "donation_differs"  # a donated model of this checkpoint, another key
+    donation_refused = "donation_refused"  # the daemon would not take this engine's donation
+    donation_unsupported = "donation_unsupported"  # processing left state outside tensors
     # Waiting, parked, to be released.
     park_timeout = "park_timeout"  # released by nobody within the loader's park_timeout
     park_cancelled = "park_cancelled"  # an operator cancelled the parked engine

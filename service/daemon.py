@@ -1,14 +1,14 @@
 """The daemon: one object the API talks to, wiring the registry's parts behind one lock.
 
-Routes call its methods and nothing else (not its settings, not its metrics). The work lives in
-the registry: the model table (``registry/model_table.py``: loads, startup models, readiness,
-lost arenas; ``ModelRecord.fail`` is the one way a model fails), path policy
-(``registry/path_policy.py``), the grant compatibility check (``registry/compatibility.py``), lease
-limits (``registry/lease_limits.py``), the lease table and its sweep (``registry/leases.py``) and
-the scrub (``registry/scrub.py``); the daemon counts what they report. Every decision that could
-race (granting a lease on a model that is being unloaded, unloading a model a lease was just
-granted on) happens under ``self.lock``, so an arena is never released while a lease on it is
-active.
+It builds the parts with constructor arguments and sets nothing on them afterwards: the keeper's
+custody, the model table (``registry/model_table.py``: loads, startup models, readiness, lost
+arenas), and the lease desk (``registry/lease_desk.py``), which grants, renews and releases
+leases, parked engines and start-up slots, proves their holders, owns the registry's clock and
+says what follows when a lease ends. Every decision that could race (granting a lease on a
+model that is being unloaded, unloading a model a lease was just granted on) happens under
+``self.lock``, so an arena is never released while a lease on it is active. What is left here
+is the lifecycle, the periodic tasks, the scrub's counting and the views (health, inventory,
+metrics).
 """
 
 from __future__ import annotations
@@ -24,29 +24,26 @@ from prometheus_client import generate_latest
 from pydantic import SecretStr
 
 from modelopt_fp8.checkpoint.opened import PathPolicy
-from protocol.errors import LeaseNotYoursError, ModelInUseError, WeightCacheError
+from protocol.errors import WeightCacheError
 from protocol.logsafe import get_logger
 from protocol.schemas.health import Health, Readiness
 from protocol.schemas.inventory import Inventory
-from protocol.schemas.leases import LeaseInfo, LeaseRequest
-from protocol.schemas.manifest import ArenaDescriptor, DaemonIdentity
+from protocol.schemas.leases import LeaseRequest
+from protocol.schemas.manifest import DaemonIdentity
 from protocol.schemas.models import ModelInfo
 from protocol.version import PROTOCOL_VERSION, __version__
 from service.keeper.custody import Custody
-from service.memory.devices import collect_ipc_handles, device_infos, use_plain_cuda_allocations
+from service.memory.devices import device_infos, use_plain_cuda_allocations
 from service.memory.shm import ArenaDir, remove_stale_files
 from service.metrics import Metrics, StateSnapshot
-from service.registry.compatibility import check_request_fits
-from service.registry.exit_watch import ExitWatch
+from service.registry.donations import Donations
 from service.registry.grant import Grant
-from service.registry.lease_holders import Caller, prove_holder
-from service.registry.lease_limits import LeaseLimits
-from service.registry.leases import Lease, LeaseEnd, LeaseTable
+from service.registry.lease_desk import LeaseDesk
+from service.registry.lease_holders import Caller
 from service.registry.model_table import ModelTable
 from service.registry.models import ModelRecord
 from service.registry.path_policy import allowed_checkpoint_path, api_load_policy
 from service.registry.scrub import scrub
-from service.registry.waiting import WaitingEngines
 from service.settings import DaemonSettings
 
 log = get_logger(__name__)
@@ -56,7 +53,11 @@ PeriodicTask = tuple[float, Callable[[], object], str]
 
 
 class Daemon:
-    def __init__(self, settings: DaemonSettings) -> None:
+    def __init__(
+        self,
+        settings: DaemonSettings,
+        on_startup_failure: Callable[[], None] | None = None,
+    ) -> None:
         self.settings = settings
         self.boot_id = secrets.token_hex(8)
         self.started = time.monotonic()
@@ -65,28 +66,21 @@ class Daemon:
             self.metrics_snapshot,
             {"version": __version__, "protocol_version": str(PROTOCOL_VERSION)},
         )
-        self.models = ModelTable(settings, self.lock, on_loaded=self.metrics.load_seconds.observe)
-        self.leases = LeaseTable(self.boot_id, self.lock, on_end=self._lease_ended)
-        self.limits = LeaseLimits(settings)
-        # Engines waiting: parked ones and warm standbys (released when one serving their
-        # model ends) and those queued for their GPU's start-up slot; the routes use these two
-        # registries directly.
-        self.waiting = WaitingEngines(
-            self.boot_id,
-            self.lock,
-            settings,
-            self.metrics,
-            self.models.get,
-            self.leases.serving,
-            self._promote,
-        )
-        self.parking, self.startup_slots = self.waiting.parking, self.waiting.startup_slots
         # The handle socket, the keeper and adoption: what lets arenas outlive this process.
-        self.custody = Custody(
-            settings, self.boot_id, self.lock, self.models, self.leases, self.count_refusal
+        self.custody = Custody(settings, self.boot_id, self.lock, self.count_refusal)
+        self.models = ModelTable(
+            settings,
+            self.lock,
+            on_loaded=self.metrics.load_seconds.observe,
+            on_ready=self.custody.model_ready,
+            on_gone=self.custody.model_gone,
+            on_startup_failure=on_startup_failure,
         )
-        self.models.on_ready = self.custody.model_ready
-        self.models.on_gone = self.custody.model_gone
+        # Leases, parked engines and start-up slots: granted, renewed and released at one desk.
+        self.desk = LeaseDesk(
+            self.boot_id, self.lock, settings, self.metrics, self.models, self.custody
+        )
+        self.leases = self.desk.leases
         self.identity = DaemonIdentity(
             boot_id=self.boot_id,
             protocol_version=PROTOCOL_VERSION,
@@ -94,17 +88,20 @@ class Daemon:
             torch_version=torch.__version__,
         )
         self.arena_dir: ArenaDir | None = None
-        # Sweeps the moment a watched process ends (a serving engine killed: its standby wakes).
-        self.exit_watch = ExitWatch(self.watched_processes, self.sweep)
+        # Models engines donate (their vLLM's processing, kept and lent here); the routes use
+        # this registry directly.
+        self.donations = Donations(
+            self.models,
+            self.lock,
+            settings.allow_token_donations,
+            self.identity,
+            lambda: self.arena_dir,
+        )
 
     @property
     def startup_failure(self) -> tuple[str, WeightCacheError] | None:
         """The first startup model that failed to load (unless ``keep_going``), with why."""
         return self.models.startup_failure
-
-    def on_startup_failure(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` (once) when a startup model fails and ``keep_going`` is off."""
-        self.models.on_startup_failure = callback
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -117,13 +114,13 @@ class Daemon:
         else:
             log.warning("no shared-memory directory %s: CPU arenas cannot be made", root)
         use_plain_cuda_allocations()
-        self.custody.start(self.arena_dir)  # adopts what a keeper held, before the sweep
+        self.custody.start(self.arena_dir, self.models, self.leases)  # adopts, before the sweep
         self.metrics.leases_granted.labels(via="keeper").inc(self.custody.leases_taken_over)
         if self.arena_dir is not None:
             stale = remove_stale_files(root) + self.arena_dir.remove_stale()  # earlier layout too
             for path in stale:
                 log.info("removed stale shared-memory arena %s", path)
-        self.exit_watch.start()
+        self.desk.start()
         self.models.load_at_start(
             self.settings.startup_models(),
             self.settings.tp_size,
@@ -134,7 +131,7 @@ class Daemon:
 
     def shutdown(self) -> None:
         """Stop; with a keeper, leave the arenas to it (the next daemon takes them over)."""
-        self.exit_watch.stop()
+        self.desk.stop()
         if self.custody.keeps:
             self.models.detach_all()
         else:
@@ -173,156 +170,29 @@ class Daemon:
         return self.models.get(model_id)
 
     def model_info(self, record: ModelRecord) -> ModelInfo:
-        with self.lock:
-            self.models.fail_lost_arenas(record)
-            return self._info(record)
+        return self.desk.model_info(record)
 
     def list_models(self) -> list[ModelInfo]:
         with self.lock:
-            records = list(self.models.records.values())
-            for record in records:
-                self.models.fail_lost_arenas(record)
-            return [self._info(r) for r in records]
-
-    def _info(self, record: ModelRecord) -> ModelInfo:
-        info = record.info(self.leases.count(record.id))
-        return info.model_copy(update={"parked": self.parking.summary(record.id)})
+            return [self.desk.model_info(r) for r in list(self.models.records.values())]
 
     def unload(self, model_id: str) -> None:
         """Forget a model and free its arenas; refused while any lease on it is active."""
-        self.sweep()
-        with self.lock:
-            self.models.get(model_id)
-            active = self.leases.count(model_id)
-            if active:
-                raise ModelInUseError(
-                    f"model {model_id!r} has {active} active lease(s)",
-                    model=model_id,
-                    active_leases=active,
-                )
-            record = self.models.remove(model_id)
-            self.custody.model_gone(record)
-        record.release()  # outside the lock: unmapping gigabytes takes a while
-        log.info("unloaded %s", model_id)
+        self.desk.unload(model_id)
 
     # --- leases --------------------------------------------------------------------------------
 
     def grant(self, req: LeaseRequest, caller: Caller | None = None) -> Grant:
-        """A lease for ``caller`` (default: this process), tied to its holder as the kernel
-        proved it (:mod:`service.registry.lease_holders`)."""
-        holder = prove_holder(caller or Caller.local(), req.client_pid)  # /proc: outside the lock
-        with self.lock:
-            record = self.models.get(req.model)
-            self.models.fail_lost_arenas(record)
-            record.require_ready()
-            check_request_fits(record, req)
-            ttl = self.limits.ttl_for(req.ttl_s)
-            self.limits.check_room(self.leases, holder)
-            rank = record.ranks[req.tp_rank]
-            lease = self.leases.add(
-                req.model,
-                req.tp_rank,
-                req.tp_size,
-                req.client_pid,
-                ttl,
-                self.leases.now(),
-                holder,
-                req.standby_group,
-            )
-            try:
-                handle = rank.arena.export(self.custody.access(lease))  # fresh for every lease
-            except BaseException:
-                self.leases.end(lease.id, LeaseEnd.released)
-                raise
-            self.custody.lease_granted(lease)
-            info = lease.info(self.boot_id)
-        self.exit_watch.poke()  # watch its holder from now on
-        self.metrics.leases_granted.labels(via="request").inc()
-        arena = ArenaDescriptor(index=0, nbytes=rank.arena.nbytes, handle=handle)
-        return Grant(info, rank, [arena], req.known_layout != rank.manifest.layout_digest)
+        """A lease for ``caller`` (default: this process): :meth:`LeaseDesk.grant`."""
+        return self.desk.grant(req, caller or Caller.local())
 
     def observe_grant_seconds(self, seconds: float) -> None:
         """How long a grant took the API, its rendering included (a histogram)."""
         self.metrics.lease_seconds.observe(seconds)
 
-    def _held(self, lease_id: str, caller: Caller) -> Lease:
-        """The active lease ``lease_id``, if ``caller`` may touch it. Caller holds the lock."""
-        lease = self.leases.get(lease_id, self.leases.now())
-        if not caller.may_manage(lease.holder_uid):
-            raise LeaseNotYoursError(f"lease {lease_id} is held by another user", lease=lease_id)
-        return lease
-
-    def lease(self, lease_id: str, caller: Caller) -> LeaseInfo:
-        with self.lock:
-            return self._held(lease_id, caller).info(self.boot_id)
-
-    def list_leases(self, caller: Caller) -> list[LeaseInfo]:
-        """The active leases ``caller`` may touch (every one for a trusted caller)."""
-        with self.lock:
-            self.leases.expire(self.leases.now())
-            return [
-                lease.info(self.boot_id)
-                for lease in self.leases.active.values()
-                if caller.may_manage(lease.holder_uid)
-            ]
-
-    def renew(self, lease_id: str, ttl_s: float | None, caller: Caller) -> LeaseInfo:
-        if ttl_s is not None:
-            self.limits.checked_ttl(ttl_s)
-        with self.lock:
-            self._held(lease_id, caller)
-            return self.leases.renew(lease_id, ttl_s, self.leases.now()).info(self.boot_id)
-
-    def release(self, lease_id: str, caller: Caller) -> None:
-        with self.lock:
-            self._held(lease_id, caller)
-            self.leases.end(lease_id, LeaseEnd.released)
-
-    def _lease_ended(self, lease: Lease, how: LeaseEnd) -> None:
-        """Every lease's end, however it came (released, expired on access or by the reaper,
-        reaped), is counted here once."""
-        counters = {
-            LeaseEnd.released: self.metrics.leases_released,
-            LeaseEnd.expired: self.metrics.leases_expired,
-            LeaseEnd.reaped: self.metrics.leases_reaped,
-        }
-        counters[how].inc()
-        if lease.standby_group is not None and how is LeaseEnd.reaped:
-            self.parking.standby_engine_gone(
-                lease.standby_group, lease.holder_uid, self.leases.now()
-            )
-        if lease.serving:  # a sleeping standby's lease served nobody: no one replaces it
-            self.parking.lease_ended(
-                lease.model,
-                lease.tp_rank,
-                lease.tp_size,
-                lease.holder_pid,  # the process pid_start is of (the one watched)
-                lease.pid_start,
-                process_gone=how is LeaseEnd.reaped,
-                now=self.leases.now(),
-            )
-        self.custody.lease_ended(lease)
-        if how is LeaseEnd.expired:  # reaped ones are logged once per dead client (sweep)
-            log.info(
-                "lease %s on %s %s (pid %d)", lease.id, lease.model, how.value, lease.client_pid
-            )
-
-    def _promote(self, group: str, holder_uid: int | None) -> None:
-        """A warm standby was released (under the lock): its leases serve from now on, and the
-        keeper records them so."""
-        for lease in self.leases.promote(group, holder_uid):
-            self.custody.lease_granted(lease)
-
-    def watched_processes(self) -> set[tuple[int, int]]:
-        """(PID, start) of every process whose end the sweep acts on: lease holders and
-        waiting engines."""
-        return self.leases.watched_along(self.waiting)
-
     def sweep(self) -> None:
-        """End expired leases and those whose client died, and forget waiting engines that are
-        gone (the reaper's periodic task)."""
-        if self.leases.sweep(self.leases.now(), self.waiting):
-            collect_ipc_handles()
+        """The reaper's periodic task: :meth:`LeaseDesk.sweep`."""
+        self.desk.sweep()
 
     def scrub(self) -> int:
         """Fail every ready model whose arena bytes changed since they were written (the
@@ -339,7 +209,7 @@ class Daemon:
 
     def notify_waiting(self, callback: Callable[[str], None]) -> None:
         """The API wakes its long-polls with the id of every waiting engine that changed."""
-        self.waiting.notify(callback)
+        self.desk.changes.subscribe(callback)
 
     def count_refusal(self, code: str) -> None:
         """Count a refused request by its error code (the API's handlers and limits)."""
@@ -357,18 +227,9 @@ class Daemon:
     def metrics_snapshot(self) -> StateSnapshot:
         """What the state gauges show, read under the lock at scrape time."""
         with self.lock:
-            counts: dict[str, int] = {"loading": 0, "ready": 0, "failed": 0}
-            resident: dict[str, int] = {}
-            for record in self.models.records.values():
-                counts[record.state.value] += 1
-                resident[record.id] = record.bytes_resident
-            return StateSnapshot(
-                counts,
-                resident,
-                self.leases.count(),
-                self.parking.count_waiting(),
-                self.startup_slots.counts(),
-            )
+            counts, resident = self.models.totals()
+            parked, tickets = self.desk.waiting_counts()
+            return StateSnapshot(counts, resident, self.leases.count(), parked, tickets)
 
     def health(self) -> Health:
         return Health(
@@ -383,12 +244,7 @@ class Daemon:
 
     def inventory(self) -> Inventory:
         models = self.list_models()
-        held: dict[int | None, int] = {}
-        with self.lock:
-            for record in self.models.records.values():
-                for rank in record.ranks:
-                    index = rank.arena.device.index
-                    held[index] = held.get(index, 0) + rank.arena.nbytes
+        held = self.models.held_by_device()
         in_use = {index for index in held if index is not None}
         return Inventory(
             boot_id=self.boot_id,

@@ -17,6 +17,7 @@ import stat
 from pathlib import Path
 
 from protocol.errors import ShmDirError
+from service.private_dir import claim
 
 HANDLE_SOCKET = "handles.sock"
 KEEPER_SOCKET = "keeper.sock"
@@ -30,6 +31,12 @@ def default_run_dir() -> Path:
     if os.geteuid() == 0:
         return Path("/run/weight-cache")
     return Path(f"/tmp/weight-cache-u{os.geteuid()}")
+
+
+NOT_OURS = (
+    "the run directory {path} belongs to uid {owner}, not to this user ({uid}): chown it or "
+    "choose another --run-dir"
+)
 
 
 def prepare_run_dir(path: Path, gid: int | None = None) -> None:
@@ -47,16 +54,7 @@ def prepare_run_dir(path: Path, gid: int | None = None) -> None:
             path=str(path),
         ) from exc
     try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            raise ShmDirError(
-                f"the run directory {path} belongs to uid {st.st_uid}, not to this user "
-                f"({os.geteuid()}): chown it or choose another --run-dir",
-                path=str(path),
-            )
-        if gid is not None:
-            os.fchown(fd, -1, gid)
-        os.fchmod(fd, 0o750 if gid is not None else 0o700)
+        claim(fd, path, gid, NOT_OURS)
     finally:
         os.close(fd)
 

@@ -290,6 +290,13 @@ class DaemonSettings(BaseSettings):
         shown="only the daemon's user and root; others use the Unix socket or the token",
     )
 
+    allow_token_donations: bool = setting(
+        False,
+        flag="--allow-token-donations",
+        help="Let token holders donate models (an engine's processed weights others compute with)",
+        shown="only the daemon's user and root donate",
+    )
+
     def __init__(self, **values: Any) -> None:
         """The token is chosen here, by :func:`protocol.tokens.choose_token` as clients choose
         theirs, from what was given (flags, keywords) and the environment: once pydantic-settings

@@ -12,6 +12,9 @@ import click
 from weight_cache_cli.options import client_config, daemon_options
 
 if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
     from engine_client.client import DaemonClient
     from protocol.schemas.parking import ParkedEngine
     from protocol.schemas.startup_slots import SlotTicket
@@ -60,40 +63,54 @@ def print_parked(engines: list[ParkedEngine], tickets: list[SlotTicket]) -> None
     from rich.table import Table
 
     console = Console()
-    if engines:
-        table = Table(
-            "#", "model", "rank", "pid", "state", "parked", "cause", title="Parked engines"
-        )
-        for n, e in enumerate(engines, 1):
-            table.add_row(
-                str(n),
-                e.model,
-                f"{e.tp_rank}/{e.tp_size}",
-                str(e.client_pid),
-                e.state.value,
-                _ago(e.parked_at),
-                e.cause.value if e.cause else "-",
+    _print_table(
+        console,
+        Table("#", "model", "rank", "pid", "state", "parked", "cause", title="Parked engines"),
+        [
+            (
+                e.id,
+                [
+                    e.model,
+                    f"{e.tp_rank}/{e.tp_size}",
+                    str(e.client_pid),
+                    e.state.value,
+                    _ago(e.parked_at),
+                    e.cause.value if e.cause else "-",
+                ],
             )
-        console.print(table)
-        for n, e in enumerate(engines, 1):
-            console.print(f"#{n} id {e.id}", soft_wrap=True, markup=False, highlight=False)
-    if tickets:
-        table = Table(
-            "#", "device", "rank", "pid", "state", "ahead", "asked", title="Start-up slots"
-        )
-        for n, t in enumerate(tickets, 1):
-            table.add_row(
-                str(n),
-                t.device,
-                f"{t.tp_rank}/{t.tp_size}",
-                str(t.client_pid),
-                t.state.value,
-                str(t.ahead),
-                _ago(t.asked_at),
+            for e in engines
+        ],
+    )
+    _print_table(
+        console,
+        Table("#", "device", "rank", "pid", "state", "ahead", "asked", title="Start-up slots"),
+        [
+            (
+                t.id,
+                [
+                    t.device,
+                    f"{t.tp_rank}/{t.tp_size}",
+                    str(t.client_pid),
+                    t.state.value,
+                    str(t.ahead),
+                    _ago(t.asked_at),
+                ],
             )
-        console.print(table)
-        for n, t in enumerate(tickets, 1):
-            console.print(f"#{n} id {t.id}", soft_wrap=True, markup=False, highlight=False)
+            for t in tickets
+        ],
+    )
+
+
+def _print_table(console: Console, table: Table, rows: list[tuple[str, list[str]]]) -> None:
+    """Each row numbered, then each row's id whole, one a line (nothing when there are no
+    rows)."""
+    if not rows:
+        return
+    for n, (_, cells) in enumerate(rows, 1):
+        table.add_row(str(n), *cells)
+    console.print(table)
+    for n, (row_id, _) in enumerate(rows, 1):
+        console.print(f"#{n} id {row_id}", soft_wrap=True, markup=False, highlight=False)
 
 
 def _json_option(command: Callable[..., R]) -> Callable[..., R]:

@@ -190,7 +190,11 @@ def _run(settings: DaemonSettings, listener: socket.socket, stopped: list[int]) 
     from service.daemon import Daemon
 
     keep_responsive(settings.load_threads, settings.load_nice)
-    daemon = Daemon(settings)
+
+    def stop() -> None:  # a startup model failed: the server is running by then
+        server.should_exit = True
+
+    daemon = Daemon(settings, on_startup_failure=stop)
     try:  # before any load: a keeper's arenas are taken over, not loaded again
         daemon.custody.keeper.connect()
     except KeeperUnavailableError as exc:
@@ -201,11 +205,6 @@ def _run(settings: DaemonSettings, listener: socket.socket, stopped: list[int]) 
     # connections, header size and the time to send a request.
     config = server_config(app, settings, log_config=None, log_level=None)
     server = uvicorn.Server(config)
-
-    def stop() -> None:
-        server.should_exit = True
-
-    daemon.on_startup_failure(stop)
     host, port = listener.getsockname()[:2] if settings.uds is None else ("", 0)
     where = settings.uds or f"http://{f'[{host}]' if ':' in host else host}:{port}"
     log.info("weight-cache daemon listening on %s (device %s)", where, settings.device)

@@ -103,6 +103,7 @@ def daemon_model(
             if mine.matches(m.digests)
             and m.state in (ModelState.ready, ModelState.loading)
             and m.tp_size == tp_size
+            and m.donor is None  # a donated model is found by its key (.donation_load)
         ]
     if not chosen:
         raise ModelNotFoundError(

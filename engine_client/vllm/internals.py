@@ -327,3 +327,61 @@ def see_only_own_memory(
             torch.accelerator.get_memory_info = original
 
     return restore
+
+
+# --- donated models -----------------------------------------------------------------------------
+
+
+def vllm_version() -> str:
+    """The vLLM a donation was processed by (``vllm.__version__``)."""
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def picked_kernels(model: nn.Module) -> list[str]:
+    """What vLLM picked for every module with a quant method: the method's class and, where it
+    chose one (``select_linear_kernel`` and the MoE kernel selection keep it as the method's
+    ``kernel``), the kernel's class; each with how many modules use it, sorted."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is None:
+            continue
+        kernel = getattr(method, "kernel", None)
+        name = type(method).__name__ + (f"/{type(kernel).__name__}" if kernel is not None else "")
+        counts[name] = counts.get(name, 0) + 1
+    return sorted(f"{name}x{count}" for name, count in counts.items())
+
+
+def kernel_of(module: nn.Module) -> object | None:
+    """The kernel object a module's quant method chose (its attributes are part of what
+    processing sets), or None."""
+    return getattr(getattr(module, "quant_method", None), "kernel", None)
+
+
+# Attributes vLLM's processing sets to a callable that an engine attaching to a donation rebuilds
+# with vLLM's own code, by the name the donation records.
+CPU_GEMM_DISPATCH = "cpu_gemm_dispatch"
+
+
+def runtime_rebuilder(module: nn.Module, attribute: str) -> str | None:
+    """The rebuilder (by name) for a callable processing left on ``module``, or None where this
+    loader cannot rebuild it: ``cpu_linear``, set on the CPU platform by
+    ``UnquantizedLinearMethod.process_weights_after_loading`` through
+    ``dispatch_cpu_unquantized_gemm``, while the layer keeps its weight (the plain torch
+    fallback; a packed weight lives outside any tensor and is not donated)."""
+    weight = getattr(module, "weight", None)
+    if attribute == "cpu_linear" and isinstance(weight, torch.Tensor) and weight.numel() > 0:
+        return CPU_GEMM_DISPATCH
+    return None
+
+
+def rebuild_runtime(module: nn.Module, rebuilder: str) -> None:
+    """Rebuild what ``rebuilder`` names on ``module`` (bound to the donated weight): vLLM's
+    ``dispatch_cpu_unquantized_gemm`` keeping the weight, as processing left it."""
+    if rebuilder != CPU_GEMM_DISPATCH:
+        raise ValueError(f"no rebuilder {rebuilder!r}")
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    dispatch_cpu_unquantized_gemm(module, remove_weight=False)

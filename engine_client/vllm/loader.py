@@ -14,9 +14,10 @@ Options (``--model-loader-extra-config``, :class:`~engine_client.loader_options.
 model whose fingerprint matches), ``fallback`` (default true), ``identity`` (how the checkpoints
 must match: ``files``, ``sampled`` (default), ``hf_blob`` or ``full``), ``timeout`` (seconds,
 default 10), ``wait`` (seconds to wait for a daemon still loading the model, default 0),
-``verify_checksums`` (default false), ``handle_socket`` (the daemon's handle socket where this
-engine sees it), ``park`` (wait before the load until the daemon releases this engine),
-``park_timeout``, ``startup_slot_timeout`` (:mod:`engine_client.vllm.startup`).
+``verify_checksums`` (default false), ``donate`` (:mod:`.donation_load`), ``handle_socket`` (the
+daemon's handle socket where this engine sees it), ``park`` (wait before the load until the
+daemon releases this engine), ``park_timeout``, ``startup_slot_timeout``
+(:mod:`engine_client.vllm.startup`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from engine_client.attach import Attachment
 from engine_client.client import ClientConfig
 from engine_client.fallback import fall_back_or_raise
 from engine_client.loader_options import LoaderOptions
+from engine_client.vllm.donation_load import attach_or_donate, donates
 from engine_client.vllm.engine_start import (
     daemon_model,
     rank_bytes,
@@ -88,6 +90,8 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
             load_config, load_format="auto", model_loader_extra_config={}
         )
         self.attachment: Attachment | None = None
+        self.donated: str | None = None  # the model this engine donated, if it did
+        self.donation_error: WeightCacheError | None = None  # why it did not share
         self.fallback_reason: Reason | None = None
 
     def _default(self) -> DefaultModelLoader:
@@ -147,6 +151,8 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
         try:
             model = self._attach_model(vllm_config, model_config, prefix)
         except Exception as exc:
+            if donates(exc, self.options):
+                return self._donated(vllm_config, model_config, prefix)
             reason = fall_back_or_raise(
                 exc, self.options.fallback, "falling back to vLLM's default loader"
             )
@@ -155,6 +161,27 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
             return model
         self.fallback_reason = reason
         return self._fall_back(vllm_config, model_config, prefix, reason)
+
+    def _donated(self, vllm_config: Any, model_config: Any, prefix: str) -> nn.Module:
+        """A checkpoint the daemon does not process: attach to its donated model, else load it
+        with vLLM's default loader and donate it (:mod:`.donation_load`)."""
+        with set_default_torch_dtype(model_config.dtype):
+            done = attach_or_donate(
+                vllm_config,
+                model_config,
+                lambda: self.create_model(vllm_config, model_config, prefix),
+                lambda model: self._default().load_weights(model, model_config),
+                self.options.client_config(),
+                target_device(vllm_config),
+            )
+        self.attachment, self.donated, self.fallback_reason = (
+            done.attachment,
+            done.donated,
+            done.reason,
+        )
+        self.donation_error = done.error
+        evaluated: nn.Module = done.model.eval()
+        return evaluated
 
     def _fall_back(
         self, vllm_config: Any, model_config: Any, prefix: str, reason: Reason

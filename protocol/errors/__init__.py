@@ -10,8 +10,9 @@ through :func:`error_from_problem`, so both sides raise the same types.
 
 Families: ``base`` (the base, an unexpected failure, and the registry of codes), ``requests``
 (what the API refuses as a request), ``access`` (who may call, and whose leases), ``models``
-(the models held and their memory), ``leases``, ``checkpoints``, ``engine`` (reaching the
-daemon, verifying and using a lease) and ``parking`` (parked engines and start-up slots).
+(the models held and their memory), ``donations`` (donated models), ``leases``,
+``checkpoints``, ``engine`` (reaching the daemon, verifying and using a lease) and ``parking``
+(parked engines and start-up slots).
 """
 
 from protocol.errors.access import (
@@ -46,6 +47,13 @@ from protocol.errors.checkpoints import (
     TensorShapeError,
     UnsupportedArchitectureError,
     UnsupportedQuantAlgoError,
+)
+from protocol.errors.donations import (
+    DonationExistsError,
+    DonationInvalidError,
+    DonationNotAllowedError,
+    DonationNotFoundError,
+    DonationSecretError,
 )
 from protocol.errors.engine import (
     ArenaUnavailableError,
@@ -124,6 +132,11 @@ __all__ = [
     "CudaDriverError",
     "DaemonRestartedError",
     "DaemonUnavailableError",
+    "DonationExistsError",
+    "DonationInvalidError",
+    "DonationNotAllowedError",
+    "DonationNotFoundError",
+    "DonationSecretError",
     "ForbiddenError",
     "HandleRefusedError",
     "HeadersTooLargeError",

@@ -10,6 +10,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.dtypes import to_torch
+from protocol.schemas.donated import Donated
 from protocol.schemas.layout import CarriedLayout, LayerLayout, WireDType
 from protocol.schemas.text import PrintableStr
 
@@ -187,6 +188,11 @@ class Manifest(BaseModel):
     carried: list[CarriedLayout] = Field(
         default_factory=list,
         description="every tensor outside the linear layers: embeddings, lm_head, norms, KV scales",
+    )
+    donation: Donated | None = Field(
+        default=None,
+        description="set for a donated model: its key, the state an engine sets beside the "
+        "tensors, and its donor",
     )
     layout_digest: str = Field(
         description="xxh3-128 of all of the above; a client holding this layout sends it back "

@@ -10,6 +10,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.hub_cache import snapshot_repo
+from protocol.schemas.donated import Donor
 from protocol.schemas.manifest import CheckpointDigests
 from protocol.schemas.parking import ParkedSummary
 from protocol.schemas.tensor_parallel import TpSize
@@ -79,6 +80,11 @@ class ModelInfo(BaseModel):
     layers: int = Field(description="linear layers per rank")
     active_leases: int
     load_seconds: float | None = None
+    donor: Donor | None = Field(
+        default=None,
+        description="for a donated model (processed by an engine's vLLM, not by this daemon): "
+        "who gave it and when",
+    )
     parked: ParkedSummary = Field(
         default_factory=ParkedSummary, description="engines parked to replace this model's"
     )

@@ -16,6 +16,7 @@ from service.api import problems
 from service.api.auth import Authenticate
 from service.api.limits import BodySizeLimit
 from service.api.routes import (
+    donations,
     health,
     inventory,
     leases,
@@ -81,6 +82,7 @@ def create_app(settings: DaemonSettings, daemon: Daemon | None = None) -> FastAP
     routers = (
         inventory.router,
         models.router,
+        donations.router,
         leases.router,
         parking.router,
         startup_slots.router,

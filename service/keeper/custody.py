@@ -41,15 +41,14 @@ class Custody:
         settings: DaemonSettings,
         boot_id: str,
         lock: threading.RLock,
-        models: ModelTable,
-        leases: LeaseTable,
         count_refusal: Callable[[str], None],
     ) -> None:
         self.run_dir = Path(settings.run_dir)
         self.gid = group_id(settings.shm_group)
         self.lock = lock
-        self.models = models
-        self.leases = leases
+        # The registry's tables it keeps and adopts into, given at start: they tell it of their
+        # changes (constructor arguments), so they are built after it.
+        self._tables: tuple[ModelTable, LeaseTable] | None = None
         self.keeper = KeeperLink(
             self.run_dir, settings.keeper, boot_id, self._holdings, settings.shm_group
         )
@@ -62,9 +61,17 @@ class Custody:
 
     # --- lifecycle -----------------------------------------------------------------------------
 
-    def start(self, arena_dir: ArenaDir | None) -> None:
-        """Serve descriptors, attach to the keeper, and take over what it held (before the
-        start-up sweep of dead daemons' files, which leaves the keeper's alone)."""
+    @property
+    def tables(self) -> tuple[ModelTable, LeaseTable]:
+        if self._tables is None:
+            raise RuntimeError("custody is not started")
+        return self._tables
+
+    def start(self, arena_dir: ArenaDir | None, models: ModelTable, leases: LeaseTable) -> None:
+        """Serve descriptors, attach to the keeper, and take over what it held into ``models``
+        and ``leases`` (before the start-up sweep of dead daemons' files, which leaves the
+        keeper's alone)."""
+        self._tables = (models, leases)
         prepare_run_dir(self.run_dir, self.gid)
         self.handles.start()
         self._serving = True
@@ -77,15 +84,15 @@ class Custody:
         records = adopt_models(snapshot, fds, arena_dir, self.keeper.drop_model)
         if any(isinstance(r.arena, VmmArena) for record in records for r in record.ranks):
             torch.cuda.empty_cache()  # the digests' scratch: the footprint stays the arenas
-        now = self.leases.now()
+        now = leases.now()
         with self.lock:
             for record in records:
-                self.models.records[record.id] = record
+                models.records[record.id] = record
                 self.adopted[record.id] = (record.path, record.tp_size)
             taken = 0
             for kept in snapshot.leases:
                 if kept.model in self.adopted:
-                    self.leases.adopt(lease_from_kept(kept), now)
+                    leases.adopt(lease_from_kept(kept), now)
                     taken += 1
                 else:
                     self.keeper.drop_lease(kept.id)
@@ -132,13 +139,11 @@ class Custody:
         return HandleAccess(socket=str(self.run_dir / HANDLE_SOCKET), secret=lease.secret)
 
     def model_ready(self, record: ModelRecord) -> None:
-        """Keep ``record`` if it is still the one held (journaled under the lock, so that an
-        unload racing it is journaled after it)."""
-        with self.lock:
-            current = self.models.records.get(record.id) is record
-            if self.keeper.enabled and current and keepable(record):
-                model, fds = kept_model(record)
-                self.keeper.put_model(model, fds)
+        """Keep ``record``, the one held (told under the lock, so that an unload racing it is
+        journaled after it)."""
+        if self.keeper.enabled and keepable(record):
+            model, fds = kept_model(record)
+            self.keeper.put_model(model, fds)
 
     def model_gone(self, record: ModelRecord) -> None:
         """A model unloaded or failed (call under the daemon's lock): the keeper lets it go."""
@@ -156,9 +161,10 @@ class Custody:
     def _descriptor(self, lease_id: str, arena: int) -> tuple[Lease, int, int]:
         """The live lease, a new descriptor of its arena (the caller closes it) and the bytes
         to map; a typed error when there is none."""
+        models, leases = self.tables
         with self.lock:
-            lease = self.leases.get(lease_id, self.leases.now())
-            record = self.models.get(lease.model)
+            lease = leases.get(lease_id, leases.now())
+            record = models.get(lease.model)
             if arena != 0 or record.state is not ModelState.ready:
                 raise HandleRefusedError(f"model {lease.model} has no arena {arena} to pass")
             held = record.ranks[lease.tp_rank].arena
@@ -174,11 +180,12 @@ class Custody:
             return lease, fd, size
 
     def _holdings(self) -> tuple[list[tuple[KeptModel, list[int]]], list[KeptLease]]:
+        held, leases = self.tables
         with self.lock:
             models = [
                 kept_model(record)
-                for record in self.models.records.values()
+                for record in held.records.values()
                 if record.state is ModelState.ready and keepable(record)
             ]
-            leases = [kept_lease(lease) for lease in self.leases.active.values()]
-        return models, leases
+            kept = [kept_lease(lease) for lease in leases.active.values()]
+        return models, kept

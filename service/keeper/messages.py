@@ -17,13 +17,16 @@ from protocol.schemas.manifest import CheckpointIdentity
 MAX_MESSAGE_BYTES = 256 << 20
 # Raised when these messages change; a daemon and a keeper of different versions do not attach.
 KEEPER_PROTOCOL = 1
-_STRICT = ConfigDict(extra="forbid")
 
 
-class KeptArena(BaseModel):
+class _Strict(BaseModel):
+    """Every keeper message and record: a field either side does not know is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class KeptArena(_Strict):
     """One rank's arena: where it lives and how to check it."""
-
-    model_config = _STRICT
 
     rank: int
     kind: Literal["cuda_fd", "shm"]
@@ -35,9 +38,7 @@ class KeptArena(BaseModel):
     digest: str | None = Field(description="service.memory.digest of the arena, at load")
 
 
-class KeptModel(BaseModel):
-    model_config = _STRICT
-
+class KeptModel(_Strict):
     id: str
     path: str
     tp_size: int
@@ -47,9 +48,7 @@ class KeptModel(BaseModel):
     arenas: list[KeptArena]
 
 
-class KeptLease(BaseModel):
-    model_config = _STRICT
-
+class KeptLease(_Strict):
     id: str
     model: str
     tp_rank: int
@@ -66,10 +65,9 @@ class KeptLease(BaseModel):
     standby_group: str | None = None
 
 
-class Attach(BaseModel):
+class Attach(_Strict):
     """A daemon taking the keeper over; ``resync``: forget what is held, a snapshot follows."""
 
-    model_config = _STRICT
     op: Literal["attach"] = "attach"
     protocol: int = KEEPER_PROTOCOL
     pid: int
@@ -77,57 +75,49 @@ class Attach(BaseModel):
     resync: bool = False
 
 
-class Snapshot(BaseModel):
+class Snapshot(_Strict):
     """What the keeper holds; each arena's descriptor follows in an ``ArenaFd``, in order."""
 
-    model_config = _STRICT
     op: Literal["snapshot"] = "snapshot"
     models: list[KeptModel]
     leases: list[KeptLease]
 
 
-class ArenaFd(BaseModel):
+class ArenaFd(_Strict):
     """Carries one arena's descriptor (``SCM_RIGHTS``)."""
 
-    model_config = _STRICT
     op: Literal["arena_fd"] = "arena_fd"
     model: str
     rank: int
 
 
-class PutModel(BaseModel):
+class PutModel(_Strict):
     """A model ready: its ``ArenaFd`` messages came just before."""
 
-    model_config = _STRICT
     op: Literal["put_model"] = "put_model"
     model: KeptModel
 
 
-class DropModel(BaseModel):
-    model_config = _STRICT
+class DropModel(_Strict):
     op: Literal["drop_model"] = "drop_model"
     model: str
 
 
-class PutLease(BaseModel):
-    model_config = _STRICT
+class PutLease(_Strict):
     op: Literal["put_lease"] = "put_lease"
     lease: KeptLease
 
 
-class DropLease(BaseModel):
-    model_config = _STRICT
+class DropLease(_Strict):
     op: Literal["drop_lease"] = "drop_lease"
     lease: str
 
 
-class Status(BaseModel):
-    model_config = _STRICT
+class Status(_Strict):
     op: Literal["status"] = "status"
 
 
-class StatusReply(BaseModel):
-    model_config = _STRICT
+class StatusReply(_Strict):
     op: Literal["status_reply"] = "status_reply"
     pid: int
     daemon_pid: int | None
@@ -139,8 +129,7 @@ class StatusReply(BaseModel):
     )
 
 
-class Refused(BaseModel):
-    model_config = _STRICT
+class Refused(_Strict):
     op: Literal["refused"] = "refused"
     detail: str
 
@@ -160,8 +149,7 @@ Message = Annotated[
 ]
 
 
-class Envelope(BaseModel):
+class Envelope(_Strict):
     """Any message (the reader's type: one model for every op)."""
 
-    model_config = _STRICT
     message: Message

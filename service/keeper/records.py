@@ -58,23 +58,8 @@ def kept_model(record: ModelRecord) -> tuple[KeptModel, list[int]]:
 
 
 def kept_lease(lease: Lease) -> KeptLease:
-    return KeptLease(
-        id=lease.id,
-        model=lease.model,
-        tp_rank=lease.tp_rank,
-        tp_size=lease.tp_size,
-        client_pid=lease.client_pid,
-        holder_uid=lease.holder_uid,
-        holder_pid=lease.holder_pid,
-        pid_start=lease.pid_start,
-        granted_at=lease.granted_at,
-        expires_at=lease.expires_at,
-        ttl_s=lease.ttl_s,
-        renewals=lease.renewals,
-        secret=lease.secret,
-        standby_group=lease.standby_group,
-    )
+    return KeptLease.model_validate(lease.record())
 
 
 def lease_from_kept(kept: KeptLease) -> Lease:
-    return Lease(**kept.model_dump())
+    return Lease.from_record(kept.model_dump())

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from protocol.errors import InsufficientMemoryError, ShmDirError
 from protocol.shm import byte_tensor
+from service.private_dir import claim
 
 FILE_PREFIX = "weight-cache-"
 _STAGING_PREFIX = "." + FILE_PREFIX
@@ -50,6 +51,12 @@ def group_id(group: str | None) -> int | None:
         if group.isdigit():
             return int(group)
         raise ShmDirError(f"no group named {group!r}") from None
+
+
+NOT_OURS = (
+    "{path} belongs to uid {owner}, not to this daemon's user ({uid}): remove it or use "
+    "another --shm-dir"
+)
 
 
 class ArenaDir:
@@ -84,22 +91,7 @@ class ArenaDir:
         finally:
             os.close(root_fd)
         try:
-            st = os.fstat(fd)
-            if st.st_uid != os.geteuid():
-                raise ShmDirError(
-                    f"{path} belongs to uid {st.st_uid}, not to this daemon's user "
-                    f"({os.geteuid()}): remove it or use another --shm-dir",
-                    path=str(path),
-                )
-            try:
-                if gid is not None:
-                    os.fchown(fd, -1, gid)
-                os.fchmod(fd, 0o750 if gid is not None else 0o700)
-            except OSError as exc:
-                raise ShmDirError(
-                    f"cannot set the owner group or mode of {path}: {exc.strerror}",
-                    path=str(path),
-                ) from exc
+            claim(fd, path, gid, NOT_OURS)
         except BaseException:
             os.close(fd)
             raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from protocol.errors import InvalidRequestError, LayoutMismatchError
+from protocol.schemas.donated import DONATED_KERNEL
 from protocol.schemas.layout import Kernel, WeightFormat
 from protocol.schemas.leases import LeaseRequest
 from service.registry.models import ModelRecord
@@ -21,8 +22,10 @@ def check_request_fits(record: ModelRecord, req: LeaseRequest) -> None:
     request asks differently from what ``record`` was processed for, and
     :class:`InvalidRequestError` for a TP rank outside its TP size."""
     mismatches: dict[str, dict[str, Any]] = {}
+    # A donated model serves what its donor's vLLM picked, named in its key.
+    kernel = DONATED_KERNEL if record.donated is not None else SERVED_KERNEL.value
     for name, asked, served in (
-        ("kernel", req.kernel, SERVED_KERNEL.value),
+        ("kernel", req.kernel, kernel),
         ("format", req.format, SERVED_FORMAT.value),
         ("tp_size", req.tp_size, record.tp_size),
     ):

@@ -1,7 +1,7 @@
 """Who may have a lease's descriptors: the one decision the handle socket asks.
 
 A peer gets them only with the lease's secret (handed out with the grant), as the lease's
-holder's user (``Lease.holder_uid``, proven when the lease was granted:
+holder's user (``Lease.holder.uid``, proven when the lease was granted:
 :mod:`service.registry.lease_holders`) or a user the daemon trusts (its own, or root), and, when
 the kernel shows its process to the daemon, as the process the lease was granted to. The peer's
 credentials come from the kernel (``SO_PEERCRED``), not from the peer: its pid is 0 when it
@@ -47,14 +47,14 @@ def holder_refusal(lease: Lease, secret: str, peer: Peer, uids: frozenset[int]) 
     (The lease's holder fields are compared here and nowhere else.)"""
     if not hmac.compare_digest(lease.secret.encode(), secret.encode()):
         return "the secret is not this lease's"
-    if peer.uid not in uids and peer.uid != lease.holder_uid:
+    holder = lease.holder
+    if peer.uid not in uids and peer.uid != holder.uid:
         return (
-            f"uid {peer.uid} is not the lease holder's (uid {lease.holder_uid}), the daemon's "
+            f"uid {peer.uid} is not the lease holder's (uid {holder.uid}), the daemon's "
             "user or root"
         )
     if peer.pid != 0:
         theirs = pids_of(peer.pid)
-        if lease.client_pid not in theirs and lease.holder_pid not in theirs:
-            holder = lease.holder_pid if lease.holder_pid is not None else lease.client_pid
-            return f"process {peer.pid} is not the lease's holder (pid {holder})"
+        if holder.named_pid not in theirs and holder.pid not in theirs:
+            return f"process {peer.pid} is not the lease's holder (pid {holder.shown_pid})"
     return None

@@ -17,16 +17,19 @@ says alone:
   its memory anyway).
 - The caps count per user as well as per process, so one user cannot take the others' room.
 
-``Holder`` is what a lease records of its caller (``Lease.holder_uid``, ``Lease.holder_pid``);
-the daemon's handle socket hands file descriptors only to a live lease's holder by the same
-record (:func:`service.registry.handle_access.holder_refusal`). Parked engines and start-up slot
-tickets are tied to their caller the same way (:class:`Holder`, :meth:`Caller.may_manage`).
+``Holder`` is what a lease, a parked engine and a start-up slot ticket record of their caller
+(``Lease.holder``, ``Registration.holder``); the daemon's handle socket hands file descriptors
+only to a live lease's holder by the same record
+(:func:`service.registry.handle_access.holder_refusal`). The lease desk
+(:mod:`service.registry.lease_desk`) proves every holder, outside the daemon's lock.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from protocol.errors import ClientNotVisibleError, ClientNotYoursError
 from protocol.processes import process_status
@@ -61,21 +64,53 @@ class Caller:
         return self.trusted or (self.uid is not None and self.uid == holder_uid)
 
 
+# How a lease's flat records (``LeaseInfo``, the keeper's ``KeptLease``) spell its holder.
+FLAT_FIELDS = ("client_pid", "holder_uid", "holder_pid", "pid_start")
+
+
 @dataclass(frozen=True)
 class Holder:
-    """What a lease records of its caller."""
+    """What a lease, a parked engine or a start-up slot ticket records of its caller: the one
+    holder record the registry keeps for all three (:func:`prove_holder` makes it)."""
 
-    uid: int | None  # the caller's proven uid
-    pid: int | None  # the process watched for the lease (None: not visible, TTL only)
+    uid: int | None  # the caller's proven uid (None: a remote token holder)
+    pid: int | None  # the process watched (None: not visible, TTL only)
     pid_start: int | None  # that process's start time, to tell it from a later reuse
+    named_pid: int  # the pid the request named (``client_pid``)
 
     @property
     def watched(self) -> bool:
         return self.pid is not None and self.pid_start is not None
 
-    def pid_or(self, named: int) -> int:
-        """The pid to record: the proven one, else the one the request ``named``."""
-        return self.pid if self.pid is not None else named
+    @property
+    def process(self) -> tuple[int, int] | None:
+        """(PID, start) of the process watched, if any (what the sweep checks)."""
+        if self.pid is None or self.pid_start is None:
+            return None
+        return (self.pid, self.pid_start)
+
+    @property
+    def watched_pid(self) -> int | None:
+        """The process the daemon watches for it, if any (what per-process caps count)."""
+        return self.pid if self.watched else None
+
+    @property
+    def shown_pid(self) -> int:
+        """The pid a waiting engine's answer shows: the proven one, else the one named."""
+        return self.pid if self.pid is not None else self.named_pid
+
+    def fields(self) -> dict[str, int | None]:
+        """The holder as a lease's flat records spell it (``LeaseInfo``, the keeper's
+        ``KeptLease``)."""
+        return dict(
+            zip(FLAT_FIELDS, (self.named_pid, self.uid, self.pid, self.pid_start), strict=True)
+        )
+
+    @classmethod
+    def from_fields(cls, flat: Mapping[str, Any]) -> Holder:
+        """The holder :meth:`fields` wrote."""
+        named, uid, pid, start = (flat[name] for name in FLAT_FIELDS)
+        return cls(uid=uid, pid=pid, pid_start=start, named_pid=named)
 
 
 def _visible(pid: int) -> tuple[int, int] | None:
@@ -90,22 +125,23 @@ def _visible(pid: int) -> tuple[int, int] | None:
 def prove_holder(caller: Caller, client_pid: int) -> Holder:
     """The holder a lease for ``client_pid`` asked by ``caller`` records, or the typed refusal.
     Blocking (reads ``/proc``): call it outside the daemon's lock."""
+    named = client_pid
     if caller.via == "unix" and caller.pid is None:
         # The kernel said pid 0: the caller lives in another PID namespace, and client_pid is a
         # number of that namespace. Its uid is proven; nothing here can watch its process.
-        return Holder(uid=caller.uid, pid=None, pid_start=None)
+        return Holder(uid=caller.uid, pid=None, pid_start=None, named_pid=named)
     if caller.via == "tcp" and caller.uid is None and caller.token:
         # A peer in another network namespace or host (an engine in a container of its own):
         # its client_pid is a number of its own PID namespace and names nothing here, even
         # where a process of ours has that number. Its TTL ends what it no longer renews.
-        return Holder(uid=None, pid=None, pid_start=None)
+        return Holder(uid=None, pid=None, pid_start=None, named_pid=named)
     seen = _visible(client_pid)
     if seen is None and caller.via == "unix" and caller.pid is not None:
         client_pid, seen = caller.pid, _visible(caller.pid)  # the process that connected
     if seen is None and caller.token:
         # An engine in another container or pod, over TCP with the daemon's token: the
         # operator vouched for it, and its TTL ends what its process no longer renews.
-        return Holder(uid=caller.uid, pid=None, pid_start=None)
+        return Holder(uid=caller.uid, pid=None, pid_start=None, named_pid=named)
     if seen is None:
         raise ClientNotVisibleError(
             f"client_pid {client_pid} is not a process this daemon can see, so it could not "
@@ -119,4 +155,4 @@ def prove_holder(caller: Caller, client_pid: int) -> Holder:
             f"{caller.uid}",
             client_pid=client_pid,
         )
-    return Holder(uid=caller.uid, pid=client_pid, pid_start=started)
+    return Holder(uid=caller.uid, pid=client_pid, pid_start=started, named_pid=named)

@@ -1,6 +1,6 @@
 """Leases: who holds which model's memory, until when.
 
-A lease records its holder as the kernel proved it (``holder_uid``, ``holder_pid``: see
+A lease records its holder as the kernel proved it (``Lease.holder``: see
 :mod:`service.registry.lease_holders`); the reaper ends leases whose holder process is gone (and
 whose start time no longer matches, so a reused PID does not keep a dead engine's lease alive) as
 well as those past their expiry. Lease ids start with the daemon's boot id, so a lease from
@@ -9,21 +9,22 @@ before a restart is recognised as such rather than reported as unknown.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import heapq
 import secrets
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from protocol.errors import DaemonRestartedError, LeaseExpiredError, LeaseNotFoundError
 from protocol.logsafe import get_logger
 from protocol.schemas.leases import LeaseInfo
 from service.memory.devices import process_alive
-from service.registry.lease_holders import Holder
+from service.registry.lease_holders import FLAT_FIELDS, Holder
 from service.registry.run_ids import from_this_run, new_id
 
 log = get_logger("service.daemon")  # the name operators filter the daemon's lines by
@@ -43,10 +44,7 @@ class Lease:
     model: str
     tp_rank: int
     tp_size: int
-    client_pid: int  # as the request named it
-    holder_uid: int | None  # the caller's uid as the kernel proved it (None: a remote token holder)
-    holder_pid: int | None  # the process watched for it (None: another PID namespace)
-    pid_start: int | None  # the holder process's start time (None: not watched)
+    holder: Holder  # its caller, as the kernel proved it
     granted_at: float
     expires_at: float
     ttl_s: float
@@ -60,16 +58,31 @@ class Lease:
     def serving(self) -> bool:
         return self.standby_group is None
 
+    @property
+    def client_pid(self) -> int:
+        """The pid the request named (what ``LeaseInfo.client_pid`` shows)."""
+        return self.holder.named_pid
+
+    def record(self) -> dict[str, object]:
+        """Every field, the holder's spelled flat (what the keeper keeps: ``KeptLease``)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del fields["holder"]
+        return fields | self.holder.fields()
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Lease:
+        """The lease :meth:`record` wrote."""
+        rest = {name: value for name, value in record.items() if name not in FLAT_FIELDS}
+        return cls(**rest, holder=Holder.from_fields(record))
+
     def info(self, boot_id: str) -> LeaseInfo:
         return LeaseInfo(
             id=self.id,
             model=self.model,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
-            client_pid=self.client_pid,
-            holder_uid=self.holder_uid,
-            holder_pid=self.holder_pid,
-            pid_watched=self.pid_start is not None,
+            **self.holder.fields(),
+            pid_watched=self.holder.pid_start is not None,
             boot_id=boot_id,
             granted_at=self.granted_at,
             expires_at=self.expires_at,
@@ -82,11 +95,11 @@ class Lease:
 class SweptAlong(Protocol):
     """What else the sweep ends: registrations that expire and watch client processes."""
 
-    def expire(self, now: float) -> None: ...
+    def expire(self, now: float) -> object: ...
 
-    def watched(self) -> set[tuple[int, int]]: ...
+    def watched(self) -> Iterable[tuple[int, int]]: ...
 
-    def process_gone(self, pid: int, start: int, now: float) -> None: ...
+    def process_gone(self, pid: int, start: int, now: float) -> object: ...
 
 
 class LeaseTable:
@@ -104,8 +117,10 @@ class LeaseTable:
         boot_id: str,
         lock: threading.RLock | None = None,
         on_end: Callable[[Lease, LeaseEnd], None] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.boot_id = boot_id
+        self.clock = clock  # the registry's one clock (the lease desk's)
         self.lock = lock or threading.RLock()
         self.on_end = on_end
         self.active: dict[str, Lease] = {}
@@ -124,7 +139,6 @@ class LeaseTable:
         model: str,
         tp_rank: int,
         tp_size: int,
-        client_pid: int,
         ttl_s: float,
         now: float,
         holder: Holder,
@@ -142,10 +156,7 @@ class LeaseTable:
             model=model,
             tp_rank=tp_rank,
             tp_size=tp_size,
-            client_pid=client_pid,
-            holder_uid=holder.uid,
-            holder_pid=holder.pid,
-            pid_start=holder.pid_start,
+            holder=holder,
             granted_at=now,
             expires_at=now + ttl_s,
             ttl_s=ttl_s,
@@ -163,7 +174,7 @@ class LeaseTable:
             self._promoted.popitem(last=False)
         promoted = []
         for lease in self.active.values():
-            if lease.standby_group == group and lease.holder_uid == holder_uid:
+            if lease.standby_group == group and lease.holder.uid == holder_uid:
                 lease.standby_group = None
                 promoted.append(lease)
         return promoted
@@ -179,13 +190,13 @@ class LeaseTable:
         self.active[lease.id] = lease
         heapq.heappush(self._expiries, (lease.expires_at, lease.id))
         self._by_model[lease.model] += 1
-        self._by_uid[lease.holder_uid] += 1
-        if lease.holder_pid is not None:
-            self._by_pid.setdefault(lease.holder_pid, set()).add(lease.id)
+        self._by_uid[lease.holder.uid] += 1
+        if lease.holder.pid is not None:
+            self._by_pid.setdefault(lease.holder.pid, set()).add(lease.id)
 
     def _start_of(self, pid: int) -> int | None:
         ids = self._by_pid.get(pid)
-        return self.active[next(iter(ids))].pid_start if ids else None
+        return self.active[next(iter(ids))].holder.pid_start if ids else None
 
     def get(self, lease_id: str, now: float) -> Lease:
         lease = self.active.get(lease_id)
@@ -219,14 +230,14 @@ class LeaseTable:
             self._by_model[lease.model] -= 1
             if not self._by_model[lease.model]:
                 del self._by_model[lease.model]
-            self._by_uid[lease.holder_uid] -= 1
-            if not self._by_uid[lease.holder_uid]:
-                del self._by_uid[lease.holder_uid]
-            ids = self._by_pid.get(lease.holder_pid) if lease.holder_pid is not None else None
+            self._by_uid[lease.holder.uid] -= 1
+            if not self._by_uid[lease.holder.uid]:
+                del self._by_uid[lease.holder.uid]
+            ids = self._by_pid.get(lease.holder.pid) if lease.holder.pid is not None else None
             if ids is not None:
                 ids.discard(lease_id)
                 if not ids:
-                    del self._by_pid[lease.holder_pid]  # type: ignore[arg-type]
+                    del self._by_pid[lease.holder.pid]  # type: ignore[arg-type]
             self.ended[lease_id] = how
             while len(self.ended) > _REMEMBERED_ENDINGS:
                 self.ended.popitem(last=False)
@@ -284,14 +295,14 @@ class LeaseTable:
         with self.lock:
             watched = set(self.watched())
             for other in others:
-                watched |= other.watched()
+                watched.update(other.watched())
             return watched
 
     def reap(self, pid: int, start: int) -> list[tuple[Lease, LeaseEnd]]:
         """End every lease of the (dead) process ``pid`` that started at ``start``."""
         ended = []
         for lease_id in list(self._by_pid.get(pid, ())):
-            if self.active[lease_id].pid_start != start:
+            if self.active[lease_id].holder.pid_start != start:
                 continue  # a lease of the process that now has this PID
             lease = self.end(lease_id, LeaseEnd.reaped)
             if lease is not None:
@@ -322,6 +333,5 @@ class LeaseTable:
                         other.process_gone(pid, start, now)
         return ended
 
-    @staticmethod
-    def now() -> float:
-        return time.time()
+    def now(self) -> float:
+        return self.clock()

@@ -17,6 +17,8 @@ from modelopt_fp8.checkpoint.opened import PathPolicy
 from modelopt_fp8.processing.pool import lower_priority
 from protocol.errors import (
     ArenaLostError,
+    DonationExistsError,
+    DonationNotFoundError,
     InsufficientMemoryError,
     InvalidRequestError,
     ModelExistsError,
@@ -33,7 +35,7 @@ from service.memory.devices import resolve_placements
 from service.memory.shm import ArenaDir
 from service.memory.trim import give_back_freed_memory
 from service.registry.header_budget import HeaderBudget
-from service.registry.loader import LoadCancelled, LoadRequest, load_model
+from service.registry.loader import LoadCancelled, LoadRequest, ResidentRank, load_model
 from service.registry.models import ModelRecord
 from service.registry.readiness import readiness as decide_readiness
 from service.settings import DaemonSettings
@@ -50,11 +52,12 @@ class ModelTable:
         on_loaded: Callable[[float], None] = lambda seconds: None,
         on_ready: Callable[[ModelRecord], None] = lambda record: None,
         on_gone: Callable[[ModelRecord], None] = lambda record: None,
+        on_startup_failure: Callable[[], None] | None = None,
     ) -> None:
         self.settings = settings
         self.lock = lock
         self.on_loaded = on_loaded  # told each successful load's seconds (a histogram)
-        self.on_ready = on_ready  # told each model that became ready (the keeper keeps it)
+        self.on_ready = on_ready  # told, under the lock, each model that became ready (kept)
         self.on_gone = on_gone  # told each ready model that failed after (the keeper drops it)
         self.records: dict[str, ModelRecord] = {}
         # Models asked for at start and not unloaded since: what /ready waits for.
@@ -62,7 +65,7 @@ class ModelTable:
         # The first startup model that failed (unless keep_going), and who to tell: the CLI
         # stops the server and exits non-zero.
         self.startup_failure: tuple[str, WeightCacheError] | None = None
-        self.on_startup_failure: Callable[[], None] | None = None
+        self.on_startup_failure = on_startup_failure
         self._threads: list[threading.Thread] = []
         self._draining: set[ModelRecord] = set()  # unloaded while loading, thread still running
         self.header_budget = HeaderBudget()  # what the loads running at once may parse
@@ -110,6 +113,26 @@ class ModelTable:
                 record.ranks = []
             self.records.clear()
         self.join_loads(timeout=30)
+
+    def totals(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Models by state, and each model's resident bytes (the state gauges)."""
+        with self.lock:
+            counts = {state.value: 0 for state in ModelState}
+            resident: dict[str, int] = {}
+            for record in self.records.values():
+                counts[record.state.value] += 1
+                resident[record.id] = record.bytes_resident
+            return counts, resident
+
+    def held_by_device(self) -> dict[int | None, int]:
+        """Arena bytes held on each device index (None: host memory), for the inventory."""
+        held: dict[int | None, int] = {}
+        with self.lock:
+            for record in self.records.values():
+                for rank in record.ranks:
+                    index = rank.arena.device.index
+                    held[index] = held.get(index, 0) + rank.arena.nbytes
+        return held
 
     def join_loads(self, timeout: float) -> None:
         """Wait for the load threads started so far, each up to ``timeout`` seconds."""
@@ -225,6 +248,45 @@ class ModelTable:
         thread.start()
         return record
 
+    # --- donated models (service/registry/donations.py) ----------------------------------------
+
+    def add_donated(self, record: ModelRecord, nbytes: int) -> None:
+        """Register a model an engine is donating (no load thread: the donor writes it), past
+        the same caps and budget as a load; its id taken is a :class:`DonationExistsError`."""
+        with self.lock:
+            self._check_room()
+            if record.id in self.records:
+                raise DonationExistsError(
+                    f"{record.id} is held already ({self.records[record.id].state.value})",
+                    model=record.id,
+                )
+            self._reserve(record, nbytes)
+            self.records[record.id] = record
+
+    def publish_donated(self, record: ModelRecord, ranks: list[ResidentRank]) -> None:
+        """A committed donation is ready, as a finished load is (the keeper told); one
+        unloaded meanwhile is refused (its caller releases the arena)."""
+        with self.lock:
+            if self.records.get(record.id) is not record:
+                raise DonationNotFoundError(
+                    f"{record.id} was unloaded while donated", model=record.id
+                )
+            record.ranks = ranks
+            record.checkpoint = ranks[0].manifest.checkpoint
+            record.progress.bytes_done = record.progress.bytes_total
+            record.progress.tensors_done = record.progress.tensors_total
+            record.load_seconds = time.monotonic() - record.started_at
+            record.state = ModelState.ready
+        self.on_ready(record)
+
+    def remove_donated(self, record: ModelRecord) -> None:
+        """Forget a donation that did not complete (caller holds the lock; it releases the
+        arena)."""
+        if self.records.get(record.id) is record:
+            del self.records[record.id]
+        self._draining.discard(record)  # an unload during the donation marked it draining
+        record.reserved_bytes = 0
+
     def check_room(self) -> None:
         """Refuse one more model past ``max_models``, one more load past
         ``max_concurrent_loads`` (loads an unload overtook still count until they stop)."""
@@ -310,8 +372,8 @@ class ModelTable:
             record.ranks = ranks
             record.load_seconds = time.monotonic() - record.started_at
             record.state = ModelState.ready
+            self.on_ready(record)  # under the lock: an unload racing it is told after it
         self.on_loaded(record.load_seconds)
-        self.on_ready(record)
         log.info(
             "%s ready: %d bytes in %.2f s", record.id, record.bytes_resident, record.load_seconds
         )

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from protocol.errors import ModelFailedError, ModelLoadingError, WeightCacheError
+from protocol.schemas.donated import Donated
 from protocol.schemas.manifest import CheckpointIdentity
 from protocol.schemas.models import LoadProgress, ModelError, ModelInfo, ModelState
 from service.registry.loader import Progress, ResidentRank
@@ -25,6 +26,11 @@ class ModelRecord:
     started_at: float = field(default_factory=time.monotonic)
     load_seconds: float | None = None
     reserved_bytes: int = 0  # memory budget claimed by this model (its arenas, once planned)
+
+    @property
+    def donated(self) -> Donated | None:
+        """What a donated model is and who gave it (None: a model this daemon loaded)."""
+        return self.ranks[0].manifest.donation if self.ranks else None
 
     @property
     def bytes_resident(self) -> int:
@@ -88,6 +94,7 @@ class ModelRecord:
             layers=len(first.layers) if first else 0,
             active_leases=active_leases,
             load_seconds=self.load_seconds,
+            donor=self.donated.donor if self.donated else None,
         )
 
     def fail(self, error: WeightCacheError, free_memory: bool = True) -> None:

@@ -40,13 +40,10 @@ from protocol.schemas.parking import (
     ReleaseCause,
 )
 from service.registry.lease_holders import Caller, Holder
-from service.registry.run_ids import new_id
 from service.registry.waiting_rules import (
-    Joining,
     Registration,
     WaitingCaps,
-    check_joins_group,
-    find,
+    WaitingRoom,
 )
 
 # Seconds a registration is kept past its last poll (or its end) without being asked for again.
@@ -92,7 +89,10 @@ class _Departing:
     ranks: set[tuple[GroupKey, int]] = field(default_factory=set)
 
 
-class ParkingLot:
+class ParkingLot(WaitingRoom[Parked]):
+    what = "parked engine"
+    missing = ParkingNotFoundError
+
     def __init__(
         self,
         boot_id: str,
@@ -105,16 +105,11 @@ class ParkingLot:
         serving: Callable[[str], bool] | None = None,
         promote: Callable[[str, int | None], object] | None = None,
     ) -> None:
-        self.boot_id = boot_id
+        super().__init__(boot_id, lock, caps, on_change, grace_s)
         self.known_model = known_model  # raises for a model the daemon does not hold
         self.serving = serving  # whether an engine serves a model (not a standby's lease)
         self.promote = promote  # a released standby's group and user: its leases now serve
-        self.lock = lock
-        self.caps = caps
-        self.on_change = on_change
         self.on_release = on_release
-        self.grace_s = grace_s
-        self.parked: dict[str, Parked] = {}  # insertion order: oldest first
         self._groups: dict[str, list[str]] = {}  # group -> ids, oldest group first
         self._credits: dict[GroupKey, Counter[int]] = {}  # ranks of engines that ended
         self._departing: dict[tuple[int, int], _Departing] = {}  # (pid, start) -> ranks
@@ -124,30 +119,16 @@ class ParkingLot:
     def park(self, req: ParkRequest, now: float, holder: Holder) -> Parked:
         """Register a parked engine (rank) for ``holder`` (proven outside the lock); released at
         once if engines of its model ended while others of its kind already waited."""
-        client_pid = holder.pid_or(req.client_pid)
         with self.lock:
             if self.known_model is not None:
                 self.known_model(req.model)
-            self.caps.check("parked engines", self.parked.values(), holder, req.group)
-            check_joins_group(
-                req.group,
-                self._members(req.group),
-                Joining(holder.uid, req.tp_rank, req.tp_size, (req.model, req.standby)),
-            )
             entry = Parked(
-                id=new_id(self.boot_id),
+                **self._admit(req, holder, (req.model, req.standby), now),
                 model=req.model,
-                tp_rank=req.tp_rank,
-                tp_size=req.tp_size,
-                group=req.group,
                 standby=req.standby,
-                client_pid=client_pid,
-                pid_start=holder.pid_start,
-                holder_uid=holder.uid,
                 parked_at=now,
-                expires_at=now + self.grace_s,
             )
-            self.parked[entry.id] = entry
+            self.kept[entry.id] = entry
             self._groups.setdefault(req.group, []).append(entry.id)
             self._settle(entry.key, ReleaseCause.lease_ended, now)  # engines ended before it
             unserved = self.serving is not None and not self.serving(req.model)
@@ -167,11 +148,6 @@ class ParkingLot:
         with self.lock:
             self._find(parked_id, caller)
             self._forget(parked_id)
-
-    def _find(self, parked_id: str, caller: Caller) -> Parked:
-        return find(
-            self.parked, parked_id, caller, self.boot_id, "parked engine", ParkingNotFoundError
-        )
 
     # --- releasing and cancelling ------------------------------------------------------------
 
@@ -218,7 +194,7 @@ class ParkingLot:
         no more, so it is cancelled, not released when the serving engine ends."""
         with self.lock:
             members = self._members(group)
-            if members and members[0].standby and members[0].holder_uid == holder_uid:
+            if members and members[0].standby and members[0].holder.uid == holder_uid:
                 self._cancel_group(group, now)
 
     # --- engines that end --------------------------------------------------------------------
@@ -249,14 +225,13 @@ class ParkingLot:
         """(PID, start) of every process whose end matters here: parked engines, and engines
         that ended a lease while a parked engine waits for their model."""
         with self.lock:
-            pids = {(p.client_pid, p.pid_start) for p in self.parked.values() if p.pid_start}
-            return sorted(pids | set(self._departing))
+            return sorted({*super().watched(), *self._departing})
 
     def process_gone(self, pid: int, start: int, now: float) -> list[Parked]:
         """The process ``pid`` (started at ``start``) is gone: forget its registrations, and
         count the ranks it served."""
         with self.lock:
-            gone = [p for p in self.parked.values() if (p.client_pid, p.pid_start) == (pid, start)]
+            gone = self._of_process(pid, start)
             for entry in gone:
                 self._forget(entry.id)
             departing = self._departing.pop((pid, start), None)
@@ -268,38 +243,33 @@ class ParkingLot:
         """Forget registrations not asked for within their expiry (an engine that stopped
         polling from a PID the daemon cannot watch, or never collected its release)."""
         with self.lock:
-            stale = [p for p in self.parked.values() if p.expires_at < now]
+            stale = self._stale(now)
             for entry in stale:
                 self._forget(entry.id)
             return stale
 
     # --- views -------------------------------------------------------------------------------
 
-    def entries(self, caller: Caller) -> list[Parked]:
-        """The registrations ``caller`` may manage (every one for a trusted caller)."""
-        with self.lock:
-            return [p for p in self.parked.values() if caller.may_manage(p.holder_uid)]
-
     def summary(self, model: str) -> ParkedSummary:
         with self.lock:
             waiting = [
-                p for p in self.parked.values() if p.model == model and p.state is ParkState.parked
+                p for p in self.kept.values() if p.model == model and p.state is ParkState.parked
             ]
             return ParkedSummary(
                 count=len(waiting),
                 standby=sum(1 for p in waiting if p.standby),
                 since=min((p.parked_at for p in waiting), default=None),
-                pids=sorted({p.client_pid for p in waiting}),
+                pids=sorted({p.holder.shown_pid for p in waiting}),
             )
 
     def count_waiting(self) -> int:
         with self.lock:
-            return sum(1 for p in self.parked.values() if p.state is ParkState.parked)
+            return sum(1 for p in self.kept.values() if p.state is ParkState.parked)
 
     # --- internals ---------------------------------------------------------------------------
 
     def _members(self, group: str) -> list[Parked]:
-        return [self.parked[i] for i in self._groups.get(group, [])]
+        return [self.kept[i] for i in self._groups.get(group, [])]
 
     def _complete(self, group: str) -> bool:
         members = self._members(group)
@@ -310,15 +280,15 @@ class ParkingLot:
         )
 
     def _waiting(self, key: GroupKey) -> bool:
-        return any(p.key == key and p.state is ParkState.parked for p in self.parked.values())
+        return any(p.key == key and p.state is ParkState.parked for p in self.kept.values())
 
     def _oldest(self, model: str, tp_size: int | None, caller: Caller | None = None) -> str | None:
         """The oldest group parked in full (that ``caller``, if given, may manage)."""
         for group, ids in self._groups.items():
-            first = self.parked[ids[0]]
+            first = self.kept[ids[0]]
             if first.model != model or (tp_size is not None and first.tp_size != tp_size):
                 continue
-            if caller is not None and not caller.may_manage(first.holder_uid):
+            if caller is not None and not caller.may_manage(first.holder.uid):
                 continue
             if self._complete(group):
                 return group
@@ -363,13 +333,13 @@ class ParkingLot:
             member.expires_at = now + self.grace_s
             self._changed(member.id)
         if members and members[0].standby and self.promote is not None:
-            self.promote(group, members[0].holder_uid)
+            self.promote(group, members[0].holder.uid)
         if self.on_release is not None:
             self.on_release(cause)
         return members
 
     def _forget(self, parked_id: str) -> None:
-        entry = self.parked.pop(parked_id, None)
+        entry = self.kept.pop(parked_id, None)
         if entry is None:
             return
         ids = self._groups.get(entry.group, [])
@@ -380,7 +350,3 @@ class ParkingLot:
         if not self._waiting(entry.key):
             self._credits.pop(entry.key, None)
         self._changed(parked_id)
-
-    def _changed(self, parked_id: str) -> None:
-        if self.on_change is not None:
-            self.on_change(parked_id)

@@ -29,13 +29,10 @@ from protocol.errors import (
 from protocol.logsafe import get_logger
 from protocol.schemas.startup_slots import SlotRequest, SlotState, SlotTicket
 from service.registry.lease_holders import Caller, Holder
-from service.registry.run_ids import new_id
 from service.registry.waiting_rules import (
-    Joining,
     Registration,
     WaitingCaps,
-    check_joins_group,
-    find,
+    WaitingRoom,
 )
 
 log = get_logger(__name__)
@@ -61,7 +58,10 @@ class Ticket(Registration):
         )
 
 
-class StartupSlots:
+class StartupSlots(WaitingRoom[Ticket]):
+    what = "start-up slot ticket"
+    missing = StartupSlotNotFoundError
+
     def __init__(
         self,
         boot_id: str,
@@ -72,39 +72,16 @@ class StartupSlots:
         on_reclaim: Callable[[str], None] | None = None,
         grace_s: float = SLOT_GRACE_S,
     ) -> None:
-        self.boot_id = boot_id
-        self.lock = lock
-        self.caps = caps
+        super().__init__(boot_id, lock, caps, on_change, grace_s)
         self.hold_s = hold_s
-        self.on_change = on_change
         self.on_reclaim = on_reclaim
-        self.grace_s = grace_s
-        self.tickets: dict[str, Ticket] = {}  # insertion order: first asked first
 
     def take(self, req: SlotRequest, now: float, holder: Holder) -> Ticket:
         """A ticket for ``req.device`` for ``holder`` (proven outside the lock): held at once if
         the GPU is free, else waiting."""
-        client_pid = holder.pid_or(req.client_pid)
         with self.lock:
-            self.caps.check("start-up slot tickets", self.tickets.values(), holder, req.group)
-            check_joins_group(
-                req.group,
-                (t for t in self.tickets.values() if t.group == req.group),
-                Joining(holder.uid, req.tp_rank, req.tp_size, None),
-            )
-            ticket = Ticket(
-                id=new_id(self.boot_id),
-                device=req.device,
-                tp_rank=req.tp_rank,
-                tp_size=req.tp_size,
-                group=req.group,
-                client_pid=client_pid,
-                pid_start=holder.pid_start,
-                holder_uid=holder.uid,
-                asked_at=now,
-                expires_at=now + self.grace_s,
-            )
-            self.tickets[ticket.id] = ticket
+            ticket = Ticket(**self._admit(req, holder, None, now), device=req.device, asked_at=now)
+            self.kept[ticket.id] = ticket
             self._grant(now)
             return ticket
 
@@ -122,36 +99,20 @@ class StartupSlots:
             self._find(ticket_id, caller)
             self._drop(ticket_id, now)
 
-    def _find(self, ticket_id: str, caller: Caller) -> Ticket:
-        return find(
-            self.tickets,
-            ticket_id,
-            caller,
-            self.boot_id,
-            "start-up slot ticket",
-            StartupSlotNotFoundError,
-        )
-
     def ahead(self, ticket: Ticket) -> int:
         """Engines (groups) that asked for this ticket's GPU before it and still wait or hold."""
         with self.lock:
             groups = set()
-            for other in self.tickets.values():
+            for other in self.kept.values():
                 if other.group == ticket.group:
                     break
                 if other.device == ticket.device:
                     groups.add(other.group)
             return len(groups)
 
-    def watched(self) -> list[tuple[int, int]]:
-        with self.lock:
-            return sorted(
-                {(t.client_pid, t.pid_start) for t in self.tickets.values() if t.pid_start}
-            )
-
     def process_gone(self, pid: int, start: int, now: float) -> list[Ticket]:
         with self.lock:
-            gone = [t for t in self.tickets.values() if (t.client_pid, t.pid_start) == (pid, start)]
+            gone = self._of_process(pid, start)
             for ticket in gone:
                 if ticket.state is SlotState.held and self.on_reclaim is not None:
                     self.on_reclaim("engine_gone")
@@ -161,14 +122,14 @@ class StartupSlots:
     def expire(self, now: float) -> list[Ticket]:
         """Drop waiting tickets nobody asks for, and take back slots held past ``hold_s``."""
         with self.lock:
-            stale = [t for t in self.tickets.values() if t.expires_at < now]
+            stale = self._stale(now)
             for ticket in stale:
                 if ticket.state is SlotState.held:
                     log.warning(
                         "start-up slot of %s held by pid %d for more than %.0f s: given to the "
                         "next engine",
                         ticket.device,
-                        ticket.client_pid,
+                        ticket.holder.shown_pid,
                         self.hold_s,
                     )
                     if self.on_reclaim is not None:
@@ -176,35 +137,27 @@ class StartupSlots:
                 self._drop(ticket.id, now)
             return stale
 
-    def entries(self, caller: Caller) -> list[tuple[Ticket, int]]:
-        """The tickets ``caller`` may manage (every one for a trusted caller), each with the
-        engines ahead of it."""
-        with self.lock:
-            return [
-                (t, self.ahead(t)) for t in self.tickets.values() if caller.may_manage(t.holder_uid)
-            ]
-
     def counts(self) -> dict[str, int]:
         with self.lock:
             counts = {state.value: 0 for state in SlotState}
-            for ticket in self.tickets.values():
+            for ticket in self.kept.values():
                 counts[ticket.state.value] += 1
             return counts
 
     # --- internals ---------------------------------------------------------------------------
 
     def _drop(self, ticket_id: str, now: float) -> None:
-        if self.tickets.pop(ticket_id, None) is not None:
+        if self.kept.pop(ticket_id, None) is not None:
             self._changed(ticket_id)
             self._grant(now)
 
     def _grant(self, now: float) -> None:
         """Grant every group that has asked with all its ranks, whose GPUs are free, and that
         no earlier waiting group is queued before on any of them."""
-        held = {t.device for t in self.tickets.values() if t.state is SlotState.held}
+        held = {t.device for t in self.kept.values() if t.state is SlotState.held}
         queued: set[str] = set()  # GPUs an earlier group waits for
         groups: dict[str, list[Ticket]] = {}
-        for ticket in self.tickets.values():
+        for ticket in self.kept.values():
             groups.setdefault(ticket.group, []).append(ticket)
         for members in groups.values():
             if any(t.state is SlotState.held for t in members):
@@ -222,7 +175,3 @@ class StartupSlots:
                 ticket.expires_at = now + self.hold_s
                 self._changed(ticket.id)
             held |= devices
-
-    def _changed(self, ticket_id: str) -> None:
-        if self.on_change is not None:
-            self.on_change(ticket_id)

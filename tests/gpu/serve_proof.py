@@ -65,7 +65,20 @@ from tests.gpu.standby_lines import state as standby_state
 from tests.gpu.standby_lines import takeover as standby_figures
 from tests.gpu.vllm_engine import PROMPTS
 
-SCENARIOS = ("restart", "parked", "standby", "daemon", "crowd", "crowd_serving", "warm", "tight")
+SCENARIOS = (
+    "restart",
+    "parked",
+    "standby",
+    "daemon",
+    "crowd",
+    "crowd_serving",
+    "warm",
+    "tight",
+    "container",
+)
+# Where a new container's filesystem has nothing of earlier starts: the caches other than vLLM's
+# own that a process finds through these (Triton's kernels, inductor's, XDG's) are not kept.
+CONTAINER_FRESH = ("XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
 ENGINE_START_S = 60.0  # a warm `vllm serve` of the 8B shape answered in 31-36 s on the H200
 COLD_EXTRA_S = 45.0  # torch.compile with an empty cache
 COLD_COMPILE_S = 15.0  # a start that compiled this long had no cache (warm: 1-3 s)
@@ -77,12 +90,16 @@ WRITE_CHECKPOINT = (
 )
 
 
-def compile_cache_has_entries() -> bool:
-    """Whether vLLM's torch.compile cache (``VLLM_CACHE_ROOT``, else ``$XDG_CACHE_HOME/vllm``,
-    else ``~/.cache/vllm``) holds anything."""
+def compile_cache_root() -> Path:
+    """vLLM's cache directory: ``VLLM_CACHE_ROOT``, else ``$XDG_CACHE_HOME/vllm``, else
+    ``~/.cache/vllm``."""
     cache_home = os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache"))
-    root = Path(os.environ.get("VLLM_CACHE_ROOT", str(Path(cache_home) / "vllm")))
-    compiled = root.expanduser() / "torch_compile_cache"
+    return Path(os.environ.get("VLLM_CACHE_ROOT", str(Path(cache_home) / "vllm"))).expanduser()
+
+
+def compile_cache_has_entries() -> bool:
+    """Whether vLLM's torch.compile cache holds anything."""
+    compiled = compile_cache_root() / "torch_compile_cache"
     return compiled.is_dir() and any(compiled.iterdir())
 
 
@@ -245,6 +262,7 @@ class ServeProof:
         load_format: str,
         extra: dict[str, Any] | None = None,
         utilization: float | None = None,
+        env: dict[str, str] | None = None,
     ) -> ServeEngine:
         assert self.daemon is not None
         loader = None
@@ -253,7 +271,7 @@ class ServeProof:
         port = free_port()
         share = self.args.gpu_memory_utilization if utilization is None else utilization
         argv = self.engine_argv(port, load_format, loader, share)
-        engine = ServeEngine(name, argv, port, self.logs / f"{name}.log", self.env)
+        engine = ServeEngine(name, argv, port, self.logs / f"{name}.log", env or self.env)
         self.started.append(engine)
         return engine
 
@@ -612,6 +630,45 @@ class ServeProof:
 
     def scenario_tight(self) -> None:
         self.scenario_warm(self.args.tight_utilization, "tight")
+
+    def scenario_container(self) -> None:
+        """A container's restart: a ``weight_cache`` engine on a new filesystem (an empty home
+        and temporary directory: no Triton or inductor cache of earlier starts) with vLLM's
+        cache on the kept volume (``VLLM_CACHE_ROOT``, as compose and the Kubernetes manifests
+        mount it). K0, the same engine in this machine's own environment just before, fills
+        the volume for exactly this configuration (vLLM keys its compile cache by the engine's
+        flags: an engine with sleep mode leaves nothing a plain one can use) and is the warm
+        restart K1 is timed beside."""
+        if not self.fits("container", 2 * ENGINE_START_S + COLD_EXTRA_S):
+            return
+        root = self.work / "container"
+        shutil.rmtree(root, ignore_errors=True)
+        home, tmp = root / "home", root / "tmp"
+        home.mkdir(parents=True)
+        tmp.mkdir()
+        volume = compile_cache_root()
+        container: dict[str, Any] = {"volume": str(volume)}
+        self.summary["scenarios"]["container"] = container
+        engine, before = self.serve_run("K0", "weight_cache", "container")
+        engine.stop()
+        container["volume_had_entries"] = compile_cache_has_entries()
+        env = {k: v for k, v in self.env.items() if k not in CONTAINER_FRESH}
+        env.update(HOME=str(home), TMPDIR=str(tmp), VLLM_CACHE_ROOT=str(volume))
+        engine = self.start_engine("K1", "weight_cache", env=env)
+        try:
+            after = self.finish_run(engine, "weight_cache", "container")
+            after["env"] = "container"
+        finally:
+            engine.stop()
+        container["compile_s"] = {
+            name: run["phases"].get("torch_compile_s")
+            for name, run in (("K0", before), ("K1", after))
+        }
+        container["to_first_token_s"] = {
+            "K0": before.get("to_first_token_s"),
+            "K1": after.get("to_first_token_s"),
+        }
+        self.save()
 
     # --- the whole proof -----------------------------------------------------------------------
 

@@ -176,7 +176,24 @@ def evaluate(summary: dict[str, Any]) -> list[dict[str, Any]]:
     for name in ("warm", "tight"):
         if name in scenarios:
             checks += _warm_checks(name, scenarios[name])
+    if "container" in scenarios:
+        checks += _container_checks(summary.get("runs", {}).get("K1"))
     return checks
+
+
+def _container_checks(fresh: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """A restart on an empty filesystem found its compiled graph on the kept cache volume (it
+    did not compile again)."""
+    if fresh is None or not fresh.get("ok"):
+        return [_check("container: the restart on an empty filesystem answered", False)]
+    compiled = (fresh.get("phases") or {}).get("torch_compile_s")
+    return [
+        _check(
+            "container: the restart on an empty filesystem took its compiled graph from the "
+            f"kept cache volume (torch.compile {compiled} s)",
+            not fresh.get("cold"),
+        )
+    ]
 
 
 def _crowd_checks(name: str, crowd: dict[str, Any]) -> list[dict[str, Any]]:
@@ -286,7 +303,7 @@ def runs_table(summary: dict[str, Any]) -> list[str]:
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, run in summary.get("runs", {}).items():
-        if run.get("scenario") != "restart":
+        if run.get("scenario") not in ("restart", "container"):
             continue
         ph = run.get("phases", {})
         at = ph.get("at_s", {})
@@ -300,7 +317,10 @@ def runs_table(summary: dict[str, Any]) -> list[str]:
             if "init_engine_s" in ph
             else "-"
         )
-        label = f"{name} ({run['load_format']}{', cold compile cache' if run.get('cold') else ''})"
+        notes = [run["load_format"]] + (["cold compile cache"] if run.get("cold") else [])
+        if run.get("env") == "container":
+            notes.append("empty filesystem, cache volume kept")
+        label = f"{name} ({', '.join(notes)})"
         if not run.get("ok"):
             label += f" failed: {run.get('error', '')[:60]}"
         rows.append(

@@ -102,3 +102,16 @@ def hostile(tmp_path_factory: pytest.TempPathFactory, tiny_fp8: Path) -> Iterato
     served.client.close()
     served.daemon.stop()
     assert "Application shutdown complete" in served.log(), served.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def shared(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_fp8: Path
+) -> Iterator[DaemonProcess]:
+    """A daemon of the test module's own, started with the module's ``CAPS`` environment."""
+    name = request.module.__name__.rsplit(".", 1)[-1]
+    daemon = start_daemon(
+        tmp_path_factory.mktemp(name), [tiny_fp8], "--model-id", "tiny", env=request.module.CAPS
+    )
+    yield daemon
+    daemon.stop()

@@ -67,7 +67,8 @@ def test_a_route_held_in_the_daemon_leaves_health_answering(
     free the route completes."""
     lock = ContendedLock(served.daemon.lock)
     served.daemon.lock = lock
-    served.daemon.models.lock = lock  # the model table shares the daemon's lock
+    served.daemon.models.lock = lock  # the model table and the lease desk share the
+    served.daemon.desk.lock = lock  # daemon's lock
     with (
         httpx.Client(base_url=served.url, timeout=PATIENCE_S) as held,
         httpx.Client(base_url=served.url, timeout=PATIENCE_S) as probe,

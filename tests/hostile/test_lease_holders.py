@@ -8,11 +8,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
 
 from harness.daemon_process import DaemonProcess, lease_body, start_daemon
 from harness.hostile.memory import RssBack
@@ -26,15 +24,6 @@ CAPS = {
     "WEIGHT_CACHE_MAX_LEASES_PER_CLIENT": "10",
     "WEIGHT_CACHE_TRUST_LOCAL_USERS": "true",
 }
-
-
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory, tiny_fp8: Path) -> Iterator[DaemonProcess]:
-    daemon = start_daemon(
-        tmp_path_factory.mktemp("holders"), [tiny_fp8], "--model-id", "tiny", env=CAPS
-    )
-    yield daemon
-    daemon.stop()
 
 
 def _release_all(daemon: DaemonProcess) -> None:

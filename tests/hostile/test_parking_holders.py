@@ -6,14 +6,11 @@ user over loopback TCP (``--trust-local-users``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
-from harness.daemon_process import DaemonProcess, start_daemon
+from harness.daemon_process import DaemonProcess
 from harness.hostile.users import NOBODY, OTHER, UserAgent, needs_root, process_of
 
 CAPS = {
@@ -21,15 +18,6 @@ CAPS = {
     "WEIGHT_CACHE_MAX_PARKED_PER_UID": "3",
     "WEIGHT_CACHE_TRUST_LOCAL_USERS": "true",
 }
-
-
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory, tiny_fp8: Path) -> Iterator[DaemonProcess]:
-    daemon = start_daemon(
-        tmp_path_factory.mktemp("parking"), [tiny_fp8], "--model-id", "tiny", env=CAPS
-    )
-    yield daemon
-    daemon.stop()
 
 
 def park_body(pid: int, group: str, rank: int = 0, tp: int = 1) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,13 @@ def waiting_pids(url: str) -> list[int]:
     return [p["client_pid"] for p in parked(url) if p["state"] == "parked"]
 
 
+def park_one(children: Callable[..., Child], url: str, checkpoint: Path) -> Child:
+    """An engine that parks for ``tiny`` at ``url``, once the daemon shows it waiting."""
+    standby = children("park", url, "tiny", str(checkpoint))
+    wait_for(lambda: waiting_pids(url) == [standby.process.pid])
+    return standby
+
+
 def releases(url: str, cause: str) -> float:
     for line in httpx.get(f"{url}/metrics").text.splitlines():
         if line.startswith(f'weight_cache_parked_releases_total{{cause="{cause}"}}'):
@@ -116,8 +124,7 @@ def test_the_parked_engine_takes_over_when_the_serving_one_is_killed(
     url = daemon_process.url
     serving = children("hold", url, "tiny")
     assert serving.next()["lease"]
-    standby = children("park", url, "tiny", str(tiny_fp8))
-    wait_for(lambda: waiting_pids(url) == [standby.process.pid])
+    standby = park_one(children, url, tiny_fp8)
     summary = httpx.get(f"{url}/v1/models/tiny").json()["parked"]
     assert summary["count"] == 1 and summary["pids"] == [standby.process.pid]
     assert standby.said_nothing()  # parked: no weights, no load yet
@@ -143,8 +150,7 @@ def test_an_engine_that_exits_cleanly_releases_the_parked_one_once_gone(
     url = daemon_process.url
     serving = children("attach-hold", url, "tiny", str(tiny_fp8))
     serving.next()
-    standby = children("park", url, "tiny", str(tiny_fp8))
-    wait_for(lambda: waiting_pids(url) == [standby.process.pid])
+    standby = park_one(children, url, tiny_fp8)
     serving.go_on()  # it prints, releases its lease at exit, and exits
     serving.next()
     assert standby.next()["cause"] == "lease_ended"
@@ -192,8 +198,7 @@ def test_cancel_falls_back_with_its_reason(
     daemon_process: DaemonProcess, tiny_fp8: Path, children
 ) -> None:
     url = daemon_process.url
-    standby = children("park", url, "tiny", str(tiny_fp8))
-    wait_for(lambda: waiting_pids(url) == [standby.process.pid])
+    standby = park_one(children, url, tiny_fp8)
     (entry,) = parked(url)
     cli(url, "parking", "cancel", entry["id"])
     assert standby.next() == {"cause": None, "source": "disk", "reason": "park_cancelled"}
@@ -277,8 +282,7 @@ def test_a_parked_engine_parks_again_with_a_restarted_daemon(
     port, shm = free_port(), tmp_path / "shm"
     first = start_daemon(tmp_path, [tiny_fp8], "--model-id", "tiny", port=port, shm_dir=shm)
     url = first.url
-    standby = children("park", url, "tiny", str(tiny_fp8))
-    wait_for(lambda: waiting_pids(url) == [standby.process.pid])
+    standby = park_one(children, url, tiny_fp8)
     first_boot = httpx.get(f"{url}/health").json()["boot_id"]
     first.stop(signal.SIGKILL)
     second = start_daemon(tmp_path, [tiny_fp8], "--model-id", "tiny", port=port, shm_dir=shm)

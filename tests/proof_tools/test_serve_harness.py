@@ -62,7 +62,7 @@ def test_the_scenarios_run_and_write_their_results(
         if not caddyfile.exists():
             caddyfile = tmp_path / "Caddyfile"
             caddyfile.write_text(TEST_CADDYFILE)
-    scenarios += ["daemon", "crowd"]
+    scenarios += ["daemon", "crowd", "container"]
     if find_caddy() is not None:
         scenarios += ["warm", "tight"]
     out = tmp_path / "out"
@@ -126,6 +126,14 @@ def test_the_scenarios_run_and_write_their_results(
         assert standby["account"]["ok"] > 0 and standby["account"]["wrong_tokens"] == 0
         assert standby["account"]["slowest_in_window_s"] is not None
         assert restart["engine"] == "H2"  # the standby that survived served on
+    container = summary["scenarios"]["container"]
+    assert container["volume"] == str(tmp_path / "vllm-cache")
+    for name in ("K0", "K1"):  # the warm restart in place, then the fresh filesystem's
+        assert summary["runs"][name]["ok"] and summary["runs"][name]["scenario"] == "container"
+        assert checks[f"{name}: token ids equal the default loader's"]
+    assert set(container["to_first_token_s"]) == {"K0", "K1"}
+    fresh = "container: the restart on an empty filesystem took its compiled graph from the kept"
+    assert checks[f"{fresh} cache volume"]
     crowd = summary["scenarios"]["crowd"]["runs"][0]
     assert crowd["answered"] == 3 and all(t > 0 for t in crowd["to_health_s"])
     assert 0 < crowd["utilization"] < 1
@@ -134,6 +142,7 @@ def test_the_scenarios_run_and_write_their_results(
         assert checks[f"{name}: token ids equal the default loader's"]
     table = (out / "table.md").read_text()
     assert "## 3 engines started at once" in table
+    assert "| K1 (weight_cache, empty filesystem, cache volume kept) |" in table
     assert "| A1 (auto) |" in table and "## The daemon killed and started again" in table
     assert (out / "logs.tar.gz").stat().st_size > 0
 

@@ -443,3 +443,43 @@ def test_without_a_reading_of_its_own_the_view_changes_nothing(
     monkeypatch.setattr(torch.accelerator, "get_memory_info", reading)
     see_only_own_memory(lambda: None, 0)()
     assert torch.accelerator.get_memory_info is reading
+
+
+# --- donated models -------------------------------------------------------------------------------
+
+
+def test_picked_kernels_names_each_method_and_kernel_vllm_picked() -> None:
+    """vLLM keeps the linear kernel it selected as the quant method's ``kernel``: with CUTLASS
+    pinned every ModelOpt layer names it, and unquantized modules name their method alone."""
+    from engine_client.vllm.internals import picked_kernels, vllm_version
+
+    with vllm_for(LLAMA) as (vllm_config, model_config):
+        model = fresh_build(vllm_config, model_config, "meta")
+    picked = picked_kernels(model)
+    assert any("/CutlassFP8ScaledMMLinearKernelx" in p for p in picked), picked
+    assert any(p.startswith("UnquantizedEmbeddingMethodx") for p in picked), picked
+    assert vllm_version().startswith("0.33")
+
+
+def test_the_cpu_gemm_dispatch_is_rebuilt_on_a_kept_weight() -> None:
+    """``UnquantizedLinearMethod.process_weights_after_loading`` on the CPU platform sets
+    ``cpu_linear`` through ``dispatch_cpu_unquantized_gemm``; where it kept the weight (the plain
+    torch path this host takes), the rebuild sets the same callable and keeps the weight."""
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from engine_client.vllm.internals import CPU_GEMM_DISPATCH, rebuild_runtime, runtime_rebuilder
+
+    with vllm_for(LLAMA), set_default_torch_dtype(torch.bfloat16):
+        processed = ReplicatedLinear(64, 32, bias=False)
+        processed.weight.data.normal_()
+        processed.quant_method.process_weights_after_loading(processed)
+        assert runtime_rebuilder(processed, "cpu_linear") == CPU_GEMM_DISPATCH
+        assert runtime_rebuilder(processed, "something_else") is None
+        rebuilt = ReplicatedLinear(64, 32, bias=False)
+        rebuilt.weight = processed.weight
+        rebuild_runtime(rebuilt, CPU_GEMM_DISPATCH)
+    assert rebuilt.weight is processed.weight
+    assert rebuilt.cpu_linear.__qualname__ == processed.cpu_linear.__qualname__
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(rebuilt.cpu_linear(x, rebuilt.weight, None), processed(x)[0])

@@ -27,7 +27,7 @@ router = APIRouter(prefix="/v1/leases", tags=["leases"], responses=problem_respo
 )
 def grant(body: LeaseRequest, daemon: DaemonDep, caller: CallerDep) -> Response:
     start = time.perf_counter()
-    granted = daemon.grant(body, caller)
+    granted = daemon.desk.grant(body, caller)
     # Rendered from the layout JSON made at load time (the same bytes as LeaseGrant's).
     response = Response(
         granted.render(),
@@ -41,7 +41,7 @@ def grant(body: LeaseRequest, daemon: DaemonDep, caller: CallerDep) -> Response:
 
 @router.get("", response_model=list[LeaseInfo], summary="Active leases the caller may touch")
 def list_leases(daemon: DaemonDep, caller: CallerDep) -> list[LeaseInfo]:
-    return daemon.list_leases(caller)
+    return daemon.desk.list_leases(caller)
 
 
 @router.get(
@@ -51,7 +51,7 @@ def list_leases(daemon: DaemonDep, caller: CallerDep) -> list[LeaseInfo]:
     responses=problem_responses(404, 409, 410),
 )
 def get_lease(lease_id: RegistrationId, daemon: DaemonDep, caller: CallerDep) -> LeaseInfo:
-    return daemon.lease(lease_id, caller)
+    return daemon.desk.lease(lease_id, caller)
 
 
 @router.post(
@@ -66,7 +66,7 @@ def renew(
     caller: CallerDep,
     body: Annotated[RenewRequest | None, Body()] = None,
 ) -> LeaseInfo:
-    return daemon.renew(lease_id, body.ttl_s if body else None, caller)
+    return daemon.desk.renew(lease_id, body.ttl_s if body else None, caller)
 
 
 @router.delete(
@@ -76,5 +76,5 @@ def renew(
     responses=problem_responses(404, 409, 410),
 )
 def release(lease_id: RegistrationId, daemon: DaemonDep, caller: CallerDep) -> Response:
-    daemon.release(lease_id, caller)
+    daemon.desk.release(lease_id, caller)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

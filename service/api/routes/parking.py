@@ -11,7 +11,6 @@ sees, releases, cancels or withdraws it."""
 
 from __future__ import annotations
 
-import time
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Response, status
@@ -23,12 +22,10 @@ from protocol.schemas.parking import (
     ParkedEngine,
     ParkRequest,
     ParkState,
-    ReleaseCause,
 )
 from protocol.schemas.tensor_parallel import MAX_TP_SIZE
 from service.api.problems import problem_responses
 from service.api.routes.deps import CallerDep, DaemonDep, RegistrationId, WaitsDep
-from service.registry.lease_holders import prove_holder
 
 router = APIRouter(
     prefix="/v1/parking", tags=["parking"], responses=problem_responses(401, 403, 422)
@@ -50,18 +47,16 @@ WaitS = Annotated[
 def park(
     body: ParkRequest, response: Response, daemon: DaemonDep, caller: CallerDep
 ) -> ParkedEngine:
-    holder = prove_holder(caller, body.client_pid)  # reads /proc: before the lock
-    entry = daemon.parking.park(body, time.time(), holder)
+    entry = daemon.desk.park(body, caller)
     response.headers["Location"] = f"/v1/parking/{entry.id}"
-    return entry.info(daemon.boot_id)
+    return entry
 
 
 @router.get(
     "", response_model=list[ParkedEngine], summary="Every parked engine (rank) the caller may touch"
 )
 def list_parked(daemon: DaemonDep, caller: CallerDep) -> list[ParkedEngine]:
-    entries = daemon.parking.entries(caller)
-    return [e.info(daemon.boot_id) for e in entries]
+    return daemon.desk.parked(caller)
 
 
 @router.get(
@@ -78,7 +73,7 @@ async def get_parked(
     wait_s: WaitS = 0.0,
 ) -> ParkedEngine:
     def read() -> ParkedEngine:
-        return daemon.parking.get(parked_id, time.time(), caller, wait_s).info(daemon.boot_id)
+        return daemon.desk.parked_engine(parked_id, caller, wait_s)
 
     return await waits.until(parked_id, read, lambda e: e.state is not ParkState.parked, wait_s)
 
@@ -90,7 +85,7 @@ async def get_parked(
     responses=problem_responses(404, 409),
 )
 def withdraw(parked_id: RegistrationId, daemon: DaemonDep, caller: CallerDep) -> Response:
-    daemon.parking.withdraw(parked_id, caller)
+    daemon.desk.withdraw(parked_id, caller)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -106,10 +101,7 @@ def release_oldest(
     caller: CallerDep,
     tp_size: Annotated[int | None, Query(ge=1, le=MAX_TP_SIZE, description="default: any")] = None,
 ) -> list[ParkedEngine]:
-    released = daemon.parking.release_oldest(
-        model_id, tp_size, ReleaseCause.operator, time.time(), caller
-    )
-    return [e.info(daemon.boot_id) for e in released]
+    return daemon.desk.release_oldest(model_id, tp_size, caller)
 
 
 @router.post(
@@ -119,8 +111,7 @@ def release_oldest(
     responses=problem_responses(404, 409),
 )
 def release(parked_id: RegistrationId, daemon: DaemonDep, caller: CallerDep) -> list[ParkedEngine]:
-    released = daemon.parking.release(parked_id, ReleaseCause.operator, time.time(), caller)
-    return [e.info(daemon.boot_id) for e in released]
+    return daemon.desk.release_parked(parked_id, caller)
 
 
 @router.post(
@@ -130,5 +121,4 @@ def release(parked_id: RegistrationId, daemon: DaemonDep, caller: CallerDep) -> 
     responses=problem_responses(404, 409),
 )
 def cancel(parked_id: RegistrationId, daemon: DaemonDep, caller: CallerDep) -> list[ParkedEngine]:
-    cancelled = daemon.parking.cancel(parked_id, time.time(), caller)
-    return [e.info(daemon.boot_id) for e in cancelled]
+    return daemon.desk.cancel_parked(parked_id, caller)

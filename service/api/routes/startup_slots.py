@@ -7,7 +7,6 @@ as a parked engine is (``/v1/parking``)."""
 
 from __future__ import annotations
 
-import time
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Response, status
@@ -16,7 +15,6 @@ from protocol.schemas.parking import MAX_WAIT_S
 from protocol.schemas.startup_slots import SlotRequest, SlotState, SlotTicket
 from service.api.problems import problem_responses
 from service.api.routes.deps import CallerDep, DaemonDep, RegistrationId, WaitsDep
-from service.registry.lease_holders import prove_holder
 
 router = APIRouter(
     prefix="/v1/startup-slots", tags=["startup-slots"], responses=problem_responses(401, 403, 422)
@@ -34,10 +32,7 @@ WaitS = Annotated[
     responses=problem_responses(429),
 )
 def take(body: SlotRequest, response: Response, daemon: DaemonDep, caller: CallerDep) -> SlotTicket:
-    slots = daemon.startup_slots
-    holder = prove_holder(caller, body.client_pid)  # reads /proc: before the lock
-    ticket = slots.take(body, time.time(), holder)
-    info = ticket.info(daemon.boot_id, slots.ahead(ticket))
+    info = daemon.desk.take_slot(body, caller)
     response.headers["Location"] = f"/v1/startup-slots/{info.id}"
     return info
 
@@ -46,8 +41,7 @@ def take(body: SlotRequest, response: Response, daemon: DaemonDep, caller: Calle
     "", response_model=list[SlotTicket], summary="Every start-up slot ticket the caller may touch"
 )
 def list_tickets(daemon: DaemonDep, caller: CallerDep) -> list[SlotTicket]:
-    entries = daemon.startup_slots.entries(caller)
-    return [t.info(daemon.boot_id, ahead) for t, ahead in entries]
+    return daemon.desk.tickets(caller)
 
 
 @router.get(
@@ -63,11 +57,8 @@ async def get_ticket(
     caller: CallerDep,
     wait_s: WaitS = 0.0,
 ) -> SlotTicket:
-    slots = daemon.startup_slots
-
     def read() -> SlotTicket:
-        ticket = slots.get(ticket_id, time.time(), caller, wait_s)
-        return ticket.info(daemon.boot_id, slots.ahead(ticket))
+        return daemon.desk.ticket(ticket_id, caller, wait_s)
 
     return await waits.until(ticket_id, read, lambda t: t.state is SlotState.held, wait_s)
 
@@ -79,5 +70,5 @@ async def get_ticket(
     responses=problem_responses(404, 409),
 )
 def give_back(ticket_id: RegistrationId, daemon: DaemonDep, caller: CallerDep) -> Response:
-    daemon.startup_slots.give_back(ticket_id, time.time(), caller)
+    daemon.desk.give_back(ticket_id, caller)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -34,8 +34,10 @@ def test_api_conforms_to_its_contract(
 ) -> None:
     # Semantic refusals of schema-valid input (a TTL over this daemon's configured maximum, a
     # rank outside the model's TP size) cannot live in a static schema; every other check runs.
-    case.call_and_validate(
-        base_url=fuzzed_daemon.url,
-        excluded_checks=[schemathesis.checks.positive_data_acceptance],
-    )
+    excluded = [schemathesis.checks.positive_data_acceptance]
+    response = case.call(base_url=fuzzed_daemon.url)
+    if response.status_code == 507 and response.json()["code"] == "insufficient_memory":
+        # A donation larger than the shared memory left: the documented answer, not a fault.
+        excluded.append(schemathesis.checks.not_a_server_error)
+    case.validate_response(response, excluded_checks=excluded)
     assert fuzzed_daemon.process.poll() is None  # the daemon survives every case

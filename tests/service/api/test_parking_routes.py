@@ -13,28 +13,17 @@ from protocol.schemas.startup_slots import SlotTicket
 from tests.service.api.conftest import Served
 
 
+def _rank_body(group: str, **fields: Any) -> dict[str, Any]:
+    """One rank of one engine of this process, in ``group``, with ``fields`` added or changed."""
+    return {"tp_rank": 0, "tp_size": 1, "client_pid": os.getpid(), "group": group, **fields}
+
+
 def park_body(group: str = "g1", **over: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": "tiny",
-        "tp_rank": 0,
-        "tp_size": 1,
-        "client_pid": os.getpid(),
-        "group": group,
-    }
-    body.update(over)
-    return body
+    return _rank_body(group, **{"model": "tiny", **over})
 
 
 def slot_body(group: str = "g1", **over: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "device": "GPU-0000",
-        "tp_rank": 0,
-        "tp_size": 1,
-        "client_pid": os.getpid(),
-        "group": group,
-    }
-    body.update(over)
-    return body
+    return _rank_body(group, **{"device": "GPU-0000", **over})
 
 
 def test_park_list_summary_release_and_withdraw(served: Served) -> None:

@@ -127,8 +127,8 @@ def test_a_group_of_another_user_is_not_promoted(served: Served) -> None:
     from service.registry.lease_holders import Holder
 
     with served.daemon.lock:
-        theirs = table.add("tiny", 0, 1, 4242, 60.0, table.now(), Holder(1234, None, None), "sb")
-        mine = table.add("tiny", 0, 1, 4243, 60.0, table.now(), Holder(0, None, None), "sb")
+        theirs = table.add("tiny", 0, 1, 60.0, table.now(), Holder(1234, None, None, 4242), "sb")
+        mine = table.add("tiny", 0, 1, 60.0, table.now(), Holder(0, None, None, 4243), "sb")
         assert [x.id for x in table.promote("sb", 0)] == [mine.id]
         assert theirs.standby_group == "sb" and mine.serving
         assert table.serving("tiny")

@@ -14,8 +14,8 @@ UIDS = frozenset({1000, 0})
 
 
 def lease(pid: int, uid: int | None = None):
-    holder = Holder(uid=uid, pid=pid, pid_start=None)
-    return LeaseTable("b00t").add("m", 0, 1, pid, 60.0, time.time(), holder)
+    holder = Holder(uid=uid, pid=pid, pid_start=None, named_pid=pid)
+    return LeaseTable("b00t").add("m", 0, 1, 60.0, time.time(), holder)
 
 
 def test_the_holder_with_the_secret_may() -> None:

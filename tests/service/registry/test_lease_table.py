@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,19 +12,19 @@ import pytest
 from protocol.errors import DaemonRestartedError, LeaseExpiredError, LeaseNotFoundError
 from service.registry.lease_holders import Holder
 from service.registry.leases import Lease, LeaseEnd, LeaseTable
-from tests.service.registry.processes import start_of
+from tests.service.registry.processes import holder_of
 
 
 def add(table: LeaseTable, pid: int, ttl_s: float, now: float, uid: int = 0) -> Lease:
     """A lease of model "m", rank 0 of 1, held by process ``pid`` of ``uid``."""
-    holder = Holder(uid=uid, pid=pid, pid_start=start_of(pid))
-    return table.add("m", 0, 1, pid, ttl_s=ttl_s, now=now, holder=holder)
+    holder = holder_of(pid, uid)
+    return table.add("m", 0, 1, ttl_s=ttl_s, now=now, holder=holder)
 
 
 def test_expiry_and_renewal() -> None:
     table = LeaseTable("b00t")
     lease = add(table, os.getpid(), ttl_s=10, now=100.0)
-    assert lease.id.startswith("b00t.") and lease.pid_start is not None
+    assert lease.id.startswith("b00t.") and lease.holder.pid_start is not None
     assert table.sweep(105.0) == []
     table.renew(lease.id, None, now=105.0)
     assert lease.expires_at == 115.0 and lease.renewals == 1
@@ -43,8 +44,10 @@ def test_renew_past_expiry_before_the_sweep_is_refused() -> None:
 def test_reused_pid_does_not_keep_a_lease_alive() -> None:
     table = LeaseTable("b00t")
     lease = add(table, os.getpid(), ttl_s=100, now=0.0)
-    assert lease.pid_start is not None
-    lease.pid_start -= 1  # as if this PID now belonged to a younger process
+    start = lease.holder.pid_start
+    assert start is not None
+    # as if this PID now belonged to a younger process
+    lease.holder = dataclasses.replace(lease.holder, pid_start=start - 1)
     assert [how for _, how in table.sweep(1.0)] == [LeaseEnd.reaped]
 
 
@@ -62,7 +65,7 @@ def test_zombie_client_is_reaped() -> None:
 def test_invisible_pid_relies_on_the_ttl() -> None:
     table = LeaseTable("b00t")
     lease = add(table, 2**31 - 2, ttl_s=10, now=0.0)
-    assert lease.pid_start is None  # not watched: no reaping by PID
+    assert lease.holder.pid_start is None  # not watched: no reaping by PID
     assert table.sweep(5.0) == []
     assert [how for _, how in table.sweep(11.0)] == [LeaseEnd.expired]
 
@@ -95,10 +98,9 @@ def test_leases_are_counted_per_user_and_record_their_holder() -> None:
     add(table, os.getpid(), ttl_s=10, now=0.0, uid=1000)
     theirs = add(table, 4_000_000, ttl_s=10, now=0.0, uid=1001)
     assert table.count_user(1000) == 2 and table.count_user(1001) == 1
-    assert (mine.holder_uid, mine.holder_pid) == (1000, os.getpid())
-    unwatched = table.add(
-        "m", 0, 1, 7, ttl_s=10, now=0.0, holder=Holder(uid=1002, pid=None, pid_start=None)
-    )
-    assert (unwatched.holder_uid, unwatched.holder_pid, unwatched.client_pid) == (1002, None, 7)
+    assert (mine.holder.uid, mine.holder.pid) == (1000, os.getpid())
+    out_of_sight = Holder(uid=1002, pid=None, pid_start=None, named_pid=7)
+    unwatched = table.add("m", 0, 1, ttl_s=10, now=0.0, holder=out_of_sight)
+    assert (unwatched.holder.uid, unwatched.holder.pid, unwatched.client_pid) == (1002, None, 7)
     table.end(theirs.id, LeaseEnd.released)
     assert table.count_user(1001) == 0 and table.count_user(1000) == 2

@@ -23,7 +23,7 @@ from protocol.schemas.parking import ParkRequest, ParkState, ReleaseCause
 from service.registry.lease_holders import Caller, Holder
 from service.registry.parking import Parked, ParkingLot
 from service.registry.waiting_rules import WaitingCaps
-from tests.service.registry.processes import start_of
+from tests.service.registry.processes import caps, holder_of, start_of
 
 ME = os.getpid()
 OWNER = Caller.local()  # the daemon's own user: trusted
@@ -32,9 +32,7 @@ OWNER = Caller.local()  # the daemon's own user: trusted
 class Lot:
     """A parking lot with its releases and changes recorded."""
 
-    def __init__(
-        self, max_parked: int = 64, max_per_client: int = 64, max_per_uid: int = 64
-    ) -> None:
+    def __init__(self, limits: WaitingCaps | None = None) -> None:
         self.changed: list[str] = []
         self.serving: set[str] = set()  # models some engine holds a lease on
         self.releases: list[ReleaseCause] = []
@@ -46,7 +44,7 @@ class Lot:
         self.lot = ParkingLot(
             "b00t",
             threading.RLock(),
-            WaitingCaps(max_parked, max_per_uid, max_per_client),
+            limits or caps(),
             on_change=self.changed.append,
             on_release=self.releases.append,
             grace_s=10.0,
@@ -73,7 +71,7 @@ class Lot:
             group=group,
             if_serving=if_serving,
         )
-        return self.lot.park(req, now, Holder(uid=uid, pid=pid, pid_start=start_of(pid)))
+        return self.lot.park(req, now, holder_of(pid, uid))
 
     def ended(self, rank: int = 0, tp: int = 1, model: str = "m", gone: bool = True) -> None:
         """An engine's lease on ``model`` rank ``rank`` ended (its process gone, or a PID the
@@ -216,7 +214,7 @@ def test_withdraw_forgets_and_unknown_ids_say_why() -> None:
 
 
 def test_caps_in_all_and_per_client() -> None:
-    lot = Lot(max_parked=3, max_per_client=2)
+    lot = Lot(caps(total=3, per_client=2))
     lot.park("a", pid=ME)
     lot.park("b", pid=ME)
     with pytest.raises(TooManyClientParkedError):
@@ -281,7 +279,7 @@ def test_if_serving_waits_only_while_an_engine_holds_a_lease() -> None:
 def test_a_registration_is_its_users_alone() -> None:
     """Another user neither sees, releases, cancels, withdraws nor joins a user's parked engine;
     one user holds at most its share."""
-    lot = Lot(max_per_uid=2)
+    lot = Lot(caps(per_uid=2))
     owner, neighbour = (
         Caller(uid=4242, pid=None, via="unix"),
         Caller(uid=4343, pid=None, via="unix"),
@@ -310,8 +308,8 @@ def test_a_registration_is_its_users_alone() -> None:
 def test_engines_out_of_sight_are_capped_by_their_user_alone() -> None:
     """Engines in containers of their own name pids of their own namespaces, often the same
     small number: those are not counted as one process."""
-    lot = Lot(max_per_client=1)
-    out_of_sight = Holder(uid=None, pid=None, pid_start=None)
+    lot = Lot(caps(per_client=1))
+    out_of_sight = Holder(uid=None, pid=None, pid_start=None, named_pid=7)
     for group in ("a", "b", "c"):
         req = ParkRequest(model="m", tp_rank=0, tp_size=1, client_pid=7, group=group)
         lot.lot.park(req, 0.0, out_of_sight)

@@ -18,25 +18,23 @@ from protocol.errors import (
     TooManyUserParkedError,
 )
 from protocol.schemas.startup_slots import SlotRequest, SlotState
-from service.registry.lease_holders import Caller, Holder
+from service.registry.lease_holders import Caller
 from service.registry.startup_slots import StartupSlots, Ticket
 from service.registry.waiting_rules import WaitingCaps
-from tests.service.registry.processes import start_of
+from tests.service.registry.processes import caps, holder_of, start_of
 
 ME = os.getpid()
 OWNER = Caller.local()  # the daemon's own user: trusted
 
 
 class Slots:
-    def __init__(
-        self, max_tickets: int = 64, max_per_client: int = 64, max_per_uid: int = 64
-    ) -> None:
+    def __init__(self, limits: WaitingCaps | None = None) -> None:
         self.changed: list[str] = []
         self.reclaims: list[str] = []
         self.slots = StartupSlots(
             "b00t",
             threading.RLock(),
-            WaitingCaps(max_tickets, max_per_uid, max_per_client),
+            limits or caps(),
             hold_s=100.0,
             on_change=self.changed.append,
             on_reclaim=self.reclaims.append,
@@ -54,12 +52,12 @@ class Slots:
         uid: int | None = OWNER.uid,
     ) -> Ticket:
         req = SlotRequest(device=device, tp_rank=rank, tp_size=tp, client_pid=pid, group=group)
-        return self.slots.take(req, now, Holder(uid=uid, pid=pid, pid_start=start_of(pid)))
+        return self.slots.take(req, now, holder_of(pid, uid))
 
     def held(self) -> list[str]:
         return [
             f"{t.group}/{t.device}"
-            for t, _ in self.slots.entries(caller=OWNER)
+            for t in self.slots.entries(caller=OWNER)
             if t.state.value == "held"
         ]
 
@@ -123,7 +121,7 @@ def test_dead_and_stuck_holders_lose_the_slot() -> None:
     assert (ME, start) in s.slots.watched()
     s.slots.process_gone(ME, start, now=5.0)
     assert theirs.state is SlotState.held
-    assert mine.id not in {t.id for t, _ in s.slots.entries(caller=OWNER)}
+    assert mine.id not in {t.id for t in s.slots.entries(caller=OWNER)}
     assert s.reclaims == ["engine_gone"]
     third = s.take("GPU-0", "third", pid=1)
     s.slots.get(third.id, now=70.0, wait_s=30.0, caller=OWNER)  # a long poll keeps a waiting ticket
@@ -142,7 +140,7 @@ def test_waiting_tickets_nobody_asks_for_are_dropped() -> None:
 
 
 def test_caps_unknown_and_bad_requests() -> None:
-    s = Slots(max_tickets=3, max_per_client=2)
+    s = Slots(caps(total=3, per_client=2))
     s.take("GPU-0", "a")
     with pytest.raises(InvalidRequestError):
         s.take("GPU-0", "a", pid=1)  # rank 0 of group a again
@@ -160,13 +158,13 @@ def test_caps_unknown_and_bad_requests() -> None:
 
 
 def test_a_ticket_is_its_users_alone() -> None:
-    s = Slots(max_per_uid=1)
+    s = Slots(caps(per_uid=1))
     owner, neighbour = (
         Caller(uid=4242, pid=None, via="unix"),
         Caller(uid=4343, pid=None, via="unix"),
     )
     ticket = s.take("GPU-0", "a", uid=4242)
-    assert s.slots.entries(neighbour) == [] and [t for t, _ in s.slots.entries(owner)] == [ticket]
+    assert s.slots.entries(neighbour) == [] and s.slots.entries(owner) == [ticket]
     with pytest.raises(RegistrationNotYoursError):
         s.slots.get(ticket.id, 1.0, neighbour)
     with pytest.raises(RegistrationNotYoursError):

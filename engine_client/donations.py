@@ -1,0 +1,198 @@
+"""Donating one rank to the daemon, and finding a donated one: the calls, the copy into the
+offered arena, and the comparison of keys. Nothing here knows vLLM (``engine_client/vllm/
+donated.py`` captures and binds a vLLM model's state).
+
+A donation is one copy: every tensor's storage span is written into the daemon's arena, its
+checksum taken over the bytes written, and the offer committed; the donor then leases its own
+donation and points its tensors into it (:func:`engine_client.vllm.donated.bind_donated`), so
+its own copy is freed. A failed copy abandons the offer, so the daemon keeps nothing half
+written.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from engine_client.answers import parse_answer, parse_answers
+from engine_client.client import ApiCall, ClientConfig, DaemonClient
+from protocol.checksum import storage_checksum
+from protocol.dtypes import to_wire
+from protocol.errors import VerificationError, WeightCacheError
+from protocol.logsafe import get_logger
+from protocol.reasons import Reason
+from protocol.schemas.donated import DonatedState, DonationKey
+from protocol.schemas.donations import (
+    DonatedTensorSpec,
+    DonationCommit,
+    DonationInfo,
+    DonationOffer,
+    DonationRequest,
+)
+from protocol.schemas.manifest import ShmHandle, TensorEntry
+from protocol.schemas.models import ModelInfo, ModelState
+
+log = get_logger(__name__)
+
+
+# --- the calls --------------------------------------------------------------------------------
+
+
+def list_call() -> ApiCall[list[DonationInfo]]:
+    return ApiCall("GET", "/v1/donations", lambda r: parse_answers(DonationInfo, r.content))
+
+
+def offer_call(request: DonationRequest) -> ApiCall[DonationOffer]:
+    read = lambda r: parse_answer(DonationOffer, r.content)  # noqa: E731
+    body = request.model_dump(mode="json")
+    return ApiCall("POST", "/v1/donations", read, idempotent=False, json=body)
+
+
+def commit_call(model: str, commit: DonationCommit) -> ApiCall[ModelInfo]:
+    read = lambda r: parse_answer(ModelInfo, r.content)  # noqa: E731
+    body = commit.model_dump(mode="json")
+    return ApiCall("POST", f"/v1/donations/{model}/commit", read, idempotent=False, json=body)
+
+
+def abandon_call(model: str, secret: str) -> ApiCall[None]:
+    body = {"secret": secret}
+    return ApiCall("POST", f"/v1/donations/{model}/abandon", lambda r: None, json=body)
+
+
+# --- finding one ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Found:
+    """The donated model for a key (``model``), else the fields in which the closest donation
+    of the same checkpoint differs (``differs``; empty: none of this checkpoint)."""
+
+    model: str | None
+    differs: list[str]
+    pending: bool = False  # an equal key is being donated right now
+
+
+def find_donation(config: ClientConfig, key: DonationKey) -> Found:
+    """The daemon's donated model whose key equals ``key`` in every compared field."""
+    with DaemonClient(config) as client:
+        donations = client.send(list_call())
+    same_checkpoint: list[list[str]] = []
+    for info in donations:
+        differs = key.differences(info.key)
+        if not differs:
+            if info.state is ModelState.ready:
+                return Found(info.model, [])
+            return Found(None, [], pending=True)
+        if info.key.sampled == key.sampled:
+            same_checkpoint.append(differs)
+    closest = min(same_checkpoint, key=len, default=[])
+    return Found(None, closest)
+
+
+# --- the copy ---------------------------------------------------------------------------------
+
+
+def storage_span(tensor: torch.Tensor) -> torch.Tensor:
+    """The contiguous 1-D run of ``tensor``'s storage from its first element to its last (what
+    its shape and stride reach), as its dtype: a view, no copy."""
+    if tensor.numel() == 0:
+        return tensor.detach().reshape(-1)[:0]
+    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    return tensor.detach().as_strided((last + 1,), (1,), tensor.storage_offset())
+
+
+def donated_specs(tensors: Mapping[str, torch.Tensor]) -> list[DonatedTensorSpec]:
+    """What the offer must size: each tensor's span and dtype (a dtype no manifest carries is
+    refused by name)."""
+    specs = []
+    for name, tensor in tensors.items():
+        try:
+            wire = to_wire(tensor.dtype)
+        except ValueError as exc:
+            raise VerificationError(
+                f"{name} is {tensor.dtype}, which a manifest cannot carry",
+                reason=Reason.donation_unsupported,
+                tensor=name,
+            ) from exc
+        span = storage_span(tensor)
+        specs.append(
+            DonatedTensorSpec(name=name, dtype=wire, nbytes=span.numel() * span.element_size())
+        )
+    return specs
+
+
+def _write(offer: DonationOffer, tensors: Mapping[str, torch.Tensor]) -> list[TensorEntry]:
+    """Copy every tensor's span into the offered shared-memory arena and describe it."""
+    handle = offer.handle
+    if not isinstance(handle, ShmHandle):
+        raise VerificationError(
+            "the daemon offered a GPU arena; this engine donates into shared memory only",
+            reason=Reason.donation_refused,
+        )
+    fd = os.open(handle.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_size < offer.nbytes:
+            raise VerificationError(
+                f"{handle.path} is smaller than the offer", reason=Reason.donation_refused
+            )
+        mapped = mmap.mmap(fd, offer.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    try:
+        base = torch.frombuffer(mapped, dtype=torch.uint8)
+        target = base[:0]
+        entries = []
+        for name, tensor in tensors.items():
+            span = storage_span(tensor)
+            nbytes = span.numel() * span.element_size()
+            offset = offer.offsets[name]
+            target = base[offset : offset + nbytes]
+            if nbytes:
+                target.copy_(span.reshape(-1).view(torch.uint8))
+            entries.append(
+                TensorEntry(
+                    name=name,
+                    arena=0,
+                    offset=offset,
+                    nbytes=nbytes,
+                    dtype=to_wire(tensor.dtype),
+                    shape=list(tensor.shape),
+                    stride=list(tensor.stride()),
+                    checksum=storage_checksum(target),
+                )
+            )
+        del base, target
+        return entries
+    finally:
+        mapped.close()
+
+
+def donate(
+    config: ClientConfig,
+    key: DonationKey,
+    tensors: Mapping[str, torch.Tensor],
+    state: DonatedState,
+) -> str:
+    """Give the daemon ``tensors`` (host tensors, by name; one per tensor object) under
+    ``key`` with ``state``; returns the donated model's id."""
+    request = DonationRequest(key=key, tensors=donated_specs(tensors), client_pid=os.getpid())
+    with DaemonClient(config) as client:
+        offer = client.send(offer_call(request))
+        try:
+            entries = _write(offer, tensors)
+            client.send(
+                commit_call(
+                    offer.model, DonationCommit(secret=offer.secret, tensors=entries, state=state)
+                )
+            )
+        except BaseException:
+            try:
+                client.send(abandon_call(offer.model, offer.secret))
+            except WeightCacheError as exc:
+                log.warning("abandoning donation %s: %s", offer.model, exc)
+            raise
+    return offer.model

@@ -1,0 +1,188 @@
+"""The load of a checkpoint the daemon does not process: attach to the donated model whose key
+equals this engine's, else load with vLLM's default loader and donate.
+
+1. **key**: the model is built on the meta device (no weight memory) to learn what vLLM picks
+   (quant methods, kernels); with the checkpoint's identity, vLLM, dtypes, device and TP rank
+   that is this rank's :class:`~protocol.schemas.donated.DonationKey`.
+2. **attach**: a ready donated model with an equal key is leased and bound onto the meta model
+   (:func:`.donated.bind_donated`): the engine never holds a copy of its own.
+3. **donate**: otherwise the meta build is undone, vLLM's default load runs (build, load,
+   process), and its state is given to the daemon (:func:`engine_client.donations.donate`);
+   the engine then leases its own donation and binds it over its tensors, which frees them. A
+   donated model of the same checkpoint whose key differs is named in the log with the fields
+   that differ; a donation the daemon refuses (or processing this loader cannot hand over)
+   leaves the engine on its own load, with the reason.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+from engine_client.attach import Attachment, attach
+from engine_client.client import ClientConfig
+from engine_client.donations import Found, donate, find_donation
+from engine_client.fallback import record_fallback
+from engine_client.loader_options import LoaderOptions
+from engine_client.verify import Expectations
+from engine_client.vllm.donated import bind_donated, capture, donation_key, processed_load
+from engine_client.vllm.engine_start import local_checkpoint
+from engine_client.vllm.internals import forget_build_on_error
+from protocol.errors import (
+    NotModelOptCheckpointError,
+    UnsupportedQuantAlgoError,
+    VerificationError,
+    WeightCacheError,
+)
+from protocol.logsafe import get_logger
+from protocol.reasons import Reason
+from protocol.schemas.donated import DONATED_KERNEL, DonationKey
+
+__all__ = ["DonatedLoad", "attach_or_donate", "donates"]
+
+log = get_logger(__name__)
+
+
+@dataclass
+class DonatedLoad:
+    """What the load did: the model, the lease it holds (None: on its own weights), whether it
+    donated, and why it did not share where it did not."""
+
+    model: nn.Module
+    attachment: Attachment | None
+    donated: str | None = None
+    reason: Reason | None = None
+    error: WeightCacheError | None = None  # why it did not share, where it did not
+
+
+def donates(exc: Exception, options: LoaderOptions) -> bool:
+    """Whether a load whose ModelOpt attach failed with ``exc`` goes the donated way: a
+    checkpoint the daemon does not process (not a ModelOpt export, or a quantization it does not
+    serve), unless the ``donate`` option is off; any checkpoint where ``donate`` is on."""
+    if options.donate is not None:
+        return options.donate
+    return isinstance(exc, (NotModelOptCheckpointError, UnsupportedQuantAlgoError))
+
+
+class _NoDonation(Exception):
+    """Undoes the meta build: no donated model with this key."""
+
+    def __init__(self, key: DonationKey, found: Found) -> None:
+        super().__init__(key.digest())
+        self.key, self.found = key, found
+
+
+def _lease(
+    config: ClientConfig, model_id: str, device: torch.device, key: DonationKey
+) -> Attachment:
+    expect = Expectations(
+        device, tp_rank=0, tp_size=1, kernel=DONATED_KERNEL, supported_schemes=frozenset()
+    )
+    attachment = attach(model_id, expect, config=config)
+    donation = attachment.manifest.donation
+    differs = key.differences(donation.key) if donation is not None else ["donation"]
+    if differs:
+        attachment.close()
+        raise VerificationError(
+            f"the donated model {model_id} differs from this engine in {', '.join(differs)}",
+            reason=Reason.donation_differs,
+            fields=differs,
+        )
+    return attachment
+
+
+def _bound(
+    model: nn.Module, config: ClientConfig, model_id: str, device: torch.device, key: DonationKey
+) -> Attachment:
+    """``model`` holding the donated model ``model_id``, leased (given back if binding fails)."""
+    attachment = _lease(config, model_id, device, key)
+    try:
+        bind_donated(model, attachment, device)
+    except BaseException:
+        attachment.close()
+        raise
+    return attachment
+
+
+def attach_or_donate(
+    vllm_config: Any,
+    model_config: Any,
+    create_model: Any,
+    load_weights: Any,
+    config: ClientConfig,
+    device: torch.device,
+) -> DonatedLoad:
+    """Attach to this rank's donated model, else load and donate it (see the module)."""
+    checkpoint = local_checkpoint(model_config)
+    rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    try:
+        with forget_build_on_error(vllm_config):
+            with torch.device("meta"):
+                model = create_model()
+            key = donation_key(vllm_config, model_config, model, checkpoint, device, rank, size)
+            found = find_donation(config, key)
+            if found.model is None:
+                raise _NoDonation(key, found)
+            attachment = _bound(model, config, found.model, device, key)
+    except _NoDonation as missing:
+        return _load_and_donate(
+            vllm_config, model_config, create_model, load_weights, config, device, missing
+        )
+    log.info(
+        "weight-cache: attached donated model %s (%d tensors)", found.model, len(attachment.tensors)
+    )
+    return DonatedLoad(model, attachment)
+
+
+def _load_and_donate(
+    vllm_config: Any,
+    model_config: Any,
+    create_model: Any,
+    load_weights: Any,
+    config: ClientConfig,
+    device: torch.device,
+    missing: _NoDonation,
+) -> DonatedLoad:
+    model, before = processed_load(create_model, load_weights, model_config, device)
+    found = missing.found
+    if found.pending:
+        error: WeightCacheError = VerificationError(
+            "another engine is donating this rank right now", reason=Reason.donation_refused
+        )
+        reason = record_fallback(error, "serving its own load")
+        return DonatedLoad(model, None, reason=reason, error=error)
+    if found.differs:
+        log.warning(
+            "weight-cache: a donated model of this checkpoint differs in %s: donating this "
+            "engine's own",
+            ", ".join(found.differs),
+        )
+    try:
+        if device.type != "cpu":
+            raise VerificationError(
+                "donations from a GPU are not served yet", reason=Reason.donation_refused
+            )
+        state, tensors = capture(model, before)
+        try:
+            model_id = donate(config, missing.key, tensors, state)
+        except VerificationError:
+            raise
+        except WeightCacheError as exc:
+            raise VerificationError(
+                f"the daemon refused the donation: {exc}",
+                reason=Reason.donation_refused,
+                refused=exc.code,
+            ) from exc
+        del tensors
+        attachment = _bound(model, config, model_id, device, missing.key)
+    except WeightCacheError as exc:
+        reason = record_fallback(exc, "serving its own load")
+        return DonatedLoad(model, None, reason=reason, error=exc)
+    gc.collect()  # the donor's own tensors, now unreferenced
+    log.info("weight-cache: donated %s (%d tensors)", model_id, len(attachment.tensors))
+    return DonatedLoad(model, attachment, donated=model_id)

@@ -1,0 +1,183 @@
+"""Donated models on vLLM's CPU platform: a bf16 checkpoint the daemon does not process is
+loaded by the first engine with vLLM's default loader and donated; the next engine attaches to
+it. Both hold exactly what vLLM's default loader leaves (every parameter, buffer and tensor
+attribute, by bytes; sharing; every plain and callable attribute of every module, quant method
+and kernel), and every tensor of both points into the daemon's arena."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from harness.checkpoint_tools import dequantized
+from harness.daemon_process import DaemonProcess, free_port, start_daemon
+from protocol.reasons import Reason
+from protocol.schemas.donated import DonationKey
+from tests.conftest import FIXTURES
+from tests.vllm.model_state import ModelState, model_state
+from tests.vllm.vllm_model import configs, vllm_world
+
+SOURCES = {"llama": "llama-fp8-kv", "qwen2": "qwen2-fp8"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bf16")
+    return {
+        name: dequantized(FIXTURES / "modelopt" / source, root / name)
+        for name, source in SOURCES.items()
+    }
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    process = start_daemon(tmp_path, [], wait_ready=False, timeout_s=240)
+    yield process
+    process.stop()
+
+
+def _load(
+    checkpoint: Path,
+    load_format: str,
+    url: str | None = None,
+    max_model_len: int = 256,
+    **extra: Any,
+) -> Any:
+    """(loader, model) of one load in a fresh TP world of one."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers import rotary_embedding
+    from vllm.model_executor.model_loader import get_model_loader
+
+    import engine_client.vllm_plugin
+
+    engine_client.vllm_plugin.register()
+    rotary_embedding._ROPE_DICT.clear()  # as in a fresh engine process
+    options = {"url": url, "fallback": False, **extra} if load_format == "weight_cache" else None
+    vllm_config, model_config = configs(checkpoint, load_format=load_format, extra=options)
+    model_config.max_model_len = max_model_len
+    with set_current_vllm_config(vllm_config), vllm_world(1, 0, free_port()):
+        loader = get_model_loader(vllm_config.load_config)
+        return loader, loader.load_model(vllm_config, model_config)
+
+
+def _outside_arena(model: torch.nn.Module, loader: Any) -> list[str]:
+    """Every tensor of ``model`` that does not point into the arena ``loader`` leased."""
+    arena = loader.attachment.arena.base
+    start, end = arena.data_ptr(), arena.data_ptr() + arena.numel()
+    outside = []
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        tensors = {**module._parameters, **module._buffers}
+        tensors.update({k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)})
+        held = {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor) and v.numel()}
+        outside += [prefix + k for k, v in held.items() if not start <= v.data_ptr() < end]
+    return outside
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_donor_and_attacher_equal_the_default_loader(
+    name: str, checkpoints: dict[str, Path], daemon: DaemonProcess
+) -> None:
+    checkpoint = checkpoints[name]
+    _, default = _load(checkpoint, "auto")
+    expected = model_state(default)
+    del default
+
+    donor_loader, donor = _load(checkpoint, "weight_cache", daemon.url)
+    assert donor_loader.donated is not None, donor_loader.donation_error
+    assert expected.differences(model_state(donor)) == []
+    assert _outside_arena(donor, donor_loader) == []
+
+    attacher_loader, attacher = _load(checkpoint, "weight_cache", daemon.url)
+    assert attacher_loader.donated is None, "the second engine donated again"
+    assert attacher_loader.attachment.manifest.model == donor_loader.donated
+    assert expected.differences(model_state(attacher)) == []
+    assert _outside_arena(attacher, attacher_loader) == []
+
+    with httpx.Client(base_url=daemon.url) as http:
+        donated = [m for m in http.get("/v1/models").json() if m["donor"] is not None]
+    assert [m["id"] for m in donated] == [donor_loader.donated]
+    assert donated[0]["active_leases"] == 2  # the donor's own and the attacher's
+    assert donated[0]["donor"]["pid"] == os.getpid()
+    donor_loader.attachment.close()
+    attacher_loader.attachment.close()
+
+
+def test_the_comparison_sees_one_attribute(checkpoints: dict[str, Path]) -> None:
+    """The state compared is not blind to a plain attribute processing set on one layer."""
+    _, model = _load(checkpoints["llama"], "auto")
+    before: ModelState = model_state(model)
+    model.model.layers[0].mlp.down_proj.processed_marker = 1
+    assert before.differences(model_state(model)) == [
+        "attribute model.layers.0.mlp.down_proj.processed_marker: None != '1'"
+    ]
+
+
+def _marking(monkeypatch: pytest.MonkeyPatch, mark: Any) -> None:
+    """vLLM's processing of unquantized linear layers, made to set one attribute more."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    processing = UnquantizedLinearMethod.process_weights_after_loading
+
+    def process(self: Any, layer: torch.nn.Module) -> None:
+        processing(self, layer)
+        layer.set_by_processing = mark
+        self.method_state = (3, "three")
+
+    monkeypatch.setattr(UnquantizedLinearMethod, "process_weights_after_loading", process)
+
+
+def test_attributes_processing_sets_reach_the_attacher(
+    checkpoints: dict[str, Path], daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An attacher runs no processing: what processing set on a layer and on its quant method
+    comes with the donation, so its state still equals the default loader's."""
+    _marking(monkeypatch, 7)
+    checkpoint = checkpoints["llama"]
+    _, default = _load(checkpoint, "auto")
+    expected = model_state(default)
+    assert expected.attributes["model.layers.0.mlp.down_proj.set_by_processing"] == "7"
+    donor_loader, _ = _load(checkpoint, "weight_cache", daemon.url)
+    attacher_loader, attacher = _load(checkpoint, "weight_cache", daemon.url)
+    assert donor_loader.donated is not None, donor_loader.donation_error
+    assert attacher_loader.donated is None and attacher_loader.attachment is not None
+    assert expected.differences(model_state(attacher)) == []
+    donor_loader.attachment.close()
+    attacher_loader.attachment.close()
+
+
+def test_a_callable_processing_sets_that_cannot_be_rebuilt_is_not_donated(
+    checkpoints: dict[str, Path], daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine keeps its own load, says which attribute stopped the donation, and the daemon
+    holds nothing of it."""
+    _marking(monkeypatch, lambda x: x)
+    checkpoint = checkpoints["llama"]
+    _, default = _load(checkpoint, "auto")
+    loader, model = _load(checkpoint, "weight_cache", daemon.url)
+    assert loader.donated is None and loader.attachment is None
+    assert loader.fallback_reason is Reason.donation_unsupported
+    assert "set_by_processing" in str(loader.donation_error)
+    assert model_state(default).differences(model_state(model)) == []
+    with httpx.Client(base_url=daemon.url) as http:
+        assert http.get("/v1/donations").json() == []
+
+
+def test_an_engine_whose_key_differs_donates_its_own(
+    checkpoints: dict[str, Path], daemon: DaemonProcess
+) -> None:
+    checkpoint = checkpoints["qwen2"]
+    first, _ = _load(checkpoint, "weight_cache", daemon.url)
+    second, _ = _load(checkpoint, "weight_cache", daemon.url, max_model_len=128)
+    assert first.donated is not None and second.donated is not None
+    assert first.donated != second.donated
+    keys = [DonationKey(**d["key"]) for d in httpx.get(f"{daemon.url}/v1/donations").json()]
+    assert keys[0].differences(keys[1]) == ["max_model_len"]
+    first.attachment.close()
+    second.attachment.close()
