@@ -1,46 +1,67 @@
 """One vLLM 0.33 engine on vLLM's CPU platform, greedy on a fixed prompt, in this process (run as
-a script: ``python -m harness.cpu_engine CHECKPOINT [DAEMON_URL]``; with a URL it loads through
-``--load-format weight_cache``, else with vLLM's default loader). It prints one JSON line: the
-tokens, the model load's seconds, and the fallback's reason if attaching fell back.
+a script: ``python -m harness.cpu_engine CHECKPOINT RESULT [--url DAEMON_URL]``; with a URL it
+loads through ``--load-format weight_cache``, else with vLLM's default loader). It writes one
+JSON object (:class:`EngineResult`) to ``RESULT``: the tokens, the model load's seconds, and
+what the loader said: that it attached, or why it fell back.
 
 Start it with ``tests/vllm/startup`` on ``PYTHONPATH`` (a plain AVX2 host, as the vLLM tests see
 it). The KV cache is bfloat16: vLLM's CPU attention takes an FP8 one only with AVX-512."""
 
 from __future__ import annotations
 
-import json
+import argparse
 import logging
 import os
-import sys
+from pathlib import Path
+
+from pydantic import BaseModel
 
 PROMPT = [1, 2, 3, 4, 5]
 MAX_TOKENS = 8
+# The loader's own words (engine_client.vllm.loader, engine_client.fallback.record_fallback).
+ATTACHED = "weight-cache: attached "
 FALLING_BACK = "falling back to vLLM's default loader"
 
 
-class FallbackReason(logging.Handler):
-    """Keeps the loader's fallback warning (``engine_client.fallback.record_fallback``)."""
+class EngineResult(BaseModel):
+    """What one engine run produced and what its loader reported."""
+
+    tokens: list[int]
+    loading_s: float
+    attached: str | None = None  # the loader's "attached N tensors ..." line
+    fallback: str | None = None  # the loader's "falling back ... (reason): ..." line
+
+
+class LoaderReport(logging.Handler):
+    """Keeps the ``weight_cache`` loader's line saying it attached, or why it fell back."""
 
     def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.message: str | None = None
+        super().__init__(logging.INFO)
+        self.attached: str | None = None
+        self.fallback: str | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        if FALLING_BACK in record.getMessage():
-            self.message = record.getMessage()
+        message = record.getMessage()
+        if message.startswith(ATTACHED):
+            self.attached = message
+        elif FALLING_BACK in message:
+            self.fallback = message
 
 
-def main() -> None:
+def run(checkpoint: Path, url: str | None) -> EngineResult:
+    """Start the engine on ``checkpoint`` (attached to the daemon at ``url``, if given) and
+    generate :data:`MAX_TOKENS` tokens greedily after :data:`PROMPT`."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from harness.vllm_cpu import cutlass_kernel_on_cpu, provide_cpu_ops, time_model_loads
 
-    checkpoint, url = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
     provide_cpu_ops()
     loads: list[float] = []
     time_model_loads(loads)
-    fallback = FallbackReason()
-    logging.getLogger("engine_client").addHandler(fallback)
+    report = LoaderReport()
+    loader_log = logging.getLogger("engine_client")
+    loader_log.addHandler(report)
+    loader_log.setLevel(logging.INFO)
     from vllm import LLM, SamplingParams
 
     loader = (
@@ -48,7 +69,7 @@ def main() -> None:
     )
     with cutlass_kernel_on_cpu():
         llm = LLM(
-            model=checkpoint,
+            model=str(checkpoint),
             skip_tokenizer_init=True,
             dtype="bfloat16",
             kv_cache_dtype="bfloat16",
@@ -65,8 +86,21 @@ def main() -> None:
             SamplingParams(max_tokens=MAX_TOKENS, temperature=0, detokenize=False),
             use_tqdm=False,
         )
-    result = {"tokens": list(out.outputs[0].token_ids), "loading_s": loads[-1]}
-    print(json.dumps({**result, "fallback": fallback.message}), flush=True)
+    return EngineResult(
+        tokens=list(out.outputs[0].token_ids),
+        loading_s=loads[-1],
+        attached=report.attached,
+        fallback=report.fallback,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m harness.cpu_engine", description=__doc__)
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("result", type=Path, help="where the JSON result is written")
+    parser.add_argument("--url", help="the daemon to attach to (else vLLM's default loader)")
+    args = parser.parse_args(argv)
+    args.result.write_text(run(args.checkpoint, args.url).model_dump_json())
 
 
 if __name__ == "__main__":

@@ -8,30 +8,26 @@ memory-node setup (nothing to do), the CPU attention backend's three calls (page
 causal attention), and the FP8 pair the CUTLASS kernel uses (static quantization exactly as the
 CUDA op does it: ``modelopt_fp8.processing.fp8``, and the scaled GEMM in float32).
 :func:`cutlass_kernel_on_cpu` has the CPU platform pick the CUTLASS FP8 kernel, the one the daemon
-processes for, as it does on Hopper. Every touch of vLLM here is checked in
-``tests/vllm/test_vllm_cpu.py``; slow, and only as exact as plain torch on this CPU.
+processes for, as it does on Hopper. :func:`time_model_loads` times the span the GPU runner logs
+as "Model loading took". Every touch of vLLM's internals for this is here, and
+``tests/vllm/test_vllm_cpu.py`` holds a test per touch that fails on a vLLM where it stops
+holding. Slow, and only as exact as plain torch on this CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from modelopt_fp8.processing.fp8 import FP8_MAX, quantize_per_token, quantize_static
 
-# The ops below, by the name vLLM's CPU path calls them in ``vllm._custom_ops``.
-ATTENTION_OPS = (
-    "cpu_attn_get_scheduler_metadata",
-    "cpu_attn_reshape_and_cache",
-    "cpu_attention_with_kv_cache",
-)
-FP8_OPS = ("scaled_fp8_quant", "cutlass_scaled_mm")
-ROTARY_OP = "rotary_embedding"
-# Called straight on ``torch.ops._C``: the worker's memory setup (``CPUWorker.__init__``) and the
-# block table's slot mapping (``vllm.utils.cpu_triton_utils``), by their schemas.
+# Called straight on ``torch.ops._C``, by their schemas: the worker's memory setup
+# (``CPUWorker.__init__``), the block table's slot mapping (``vllm.utils.cpu_triton_utils``), the
+# activation fused with FP8 quantization (``vllm.model_executor.layers.fusion.fused_act_quant``)
+# and the sampler's greedy pick (``Sampler.greedy_sample``).
 TORCH_OPS = {
     "init_cpu_memory_env": "init_cpu_memory_env(int[] nodes) -> ()",
     "compute_slot_mapping_kernel_impl": "compute_slot_mapping_kernel_impl(Tensor query_start_loc, "
@@ -210,22 +206,23 @@ def _scaled_mm(
     return out.to(out_dtype).view(*a.shape[:-1], b.shape[1])
 
 
+# The ops above, by the name vLLM's CPU path calls them in ``vllm._custom_ops``: the CPU
+# attention backend's three, the CUTLASS kernel's FP8 pair, the rotary embedding's.
+RESTATED: dict[str, Callable[..., object]] = {
+    "cpu_attn_get_scheduler_metadata": _scheduler_metadata,
+    "cpu_attn_reshape_and_cache": _reshape_and_cache,
+    "cpu_attention_with_kv_cache": _attention_with_kv_cache,
+    "scaled_fp8_quant": _scaled_fp8_quant,
+    "cutlass_scaled_mm": _scaled_mm,
+    "rotary_embedding": _rotary_embedding,
+}
+
+
 def provide_cpu_ops() -> None:
     """Give vLLM's CPU path the ops above (once per process; before the engine starts)."""
     from vllm import _custom_ops
 
-    for name, op in zip(
-        (*ATTENTION_OPS, *FP8_OPS, ROTARY_OP),
-        (
-            _scheduler_metadata,
-            _reshape_and_cache,
-            _attention_with_kv_cache,
-            _scaled_fp8_quant,
-            _scaled_mm,
-            _rotary_embedding,
-        ),
-        strict=True,
-    ):
+    for name, op in RESTATED.items():
         setattr(_custom_ops, name, op)
     if _LIBRARIES:
         return
