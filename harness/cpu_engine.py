@@ -78,6 +78,7 @@ def run(checkpoint: Path, url: str | None) -> EngineResult:
             max_num_batched_tokens=256,
             enforce_eager=True,
             seed=0,
+            use_tqdm_on_load=False,  # no progress bar after an error
             kv_cache_memory_bytes=64 * 2**20,  # not a share of the host's memory
             **loader,
         )

@@ -10,6 +10,7 @@ loader's reason is the last line printed; if an engine failed, its error is."""
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,8 @@ from service.demo import write_demo_checkpoint
 
 
 LOADER_PREFIX = "weight-cache: "  # how the loader's own lines begin
+TRACEBACK = "Traceback (most recent call last):"
+RANK = re.compile(r"^\[rank\d+\]: ")
 
 
 class EngineFailed(Exception):
@@ -30,13 +33,16 @@ class EngineFailed(Exception):
 
 
 def error_lines(log: str) -> list[str]:
-    """The last exception a Python log shows: the lines after its traceback's last frame (the
-    exception itself and its notes)."""
-    lines = log.rstrip().splitlines()
-    end = len(lines)
-    while end > 0 and lines[end - 1] and not lines[end - 1].startswith(" "):
-        end -= 1
-    return lines[end:] or lines[-1:]
+    """The last exception a Python log shows: the lines after its last traceback's last frame
+    (the exception itself and its notes), without the ``[rankN]:`` vLLM puts before a worker's
+    lines; the log's last line if it shows no traceback."""
+    lines = [RANK.sub("", line) for line in log.rstrip().splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.startswith(TRACEBACK)]
+    if not starts:
+        return lines[-1:]
+    after = lines[starts[-1] + 1 :]
+    frames = [i for i, line in enumerate(after) if line.startswith(" ")]
+    return after[frames[-1] + 1 :] if frames else after
 
 
 def run_engine(checkpoint: Path, url: str | None, log: Path) -> EngineResult:
@@ -49,7 +55,9 @@ def run_engine(checkpoint: Path, url: str | None, log: Path) -> EngineResult:
         )
     if done.returncode != 0 or not result.exists():
         shown = "\n".join(error_lines(log.read_text(errors="replace")))
-        raise EngineFailed(f"the engine failed (exit {done.returncode}); its output: {log}\n{shown}")
+        raise EngineFailed(
+            f"the engine failed (exit {done.returncode}); its output: {log}\n{shown}"
+        )
     return EngineResult.model_validate_json(result.read_text())
 
 
