@@ -16,11 +16,11 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from engine_client.fallback import FALLING_BACK
+
 PROMPT = [1, 2, 3, 4, 5]
 MAX_TOKENS = 8
-# The loader's own words (engine_client.vllm.loader, engine_client.fallback.record_fallback).
-ATTACHED = "weight-cache: attached "
-FALLING_BACK = "falling back to vLLM's default loader"
+ATTACHED = "weight-cache: attached "  # how the loader's line saying it attached begins
 
 
 class EngineResult(BaseModel):

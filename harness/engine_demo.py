@@ -22,7 +22,6 @@ from harness.cpu_engine import EngineResult
 from harness.daemon_process import start_daemon
 from service.demo import write_demo_checkpoint
 
-
 LOADER_PREFIX = "weight-cache: "  # how the loader's own lines begin
 TRACEBACK = "Traceback (most recent call last):"
 RANK = re.compile(r"^\[rank\d+\]: ")

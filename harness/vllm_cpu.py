@@ -222,8 +222,8 @@ def provide_cpu_ops() -> None:
     """Give vLLM's CPU path the ops above (once per process; before the engine starts)."""
     from vllm import _custom_ops
 
-    for name, op in RESTATED.items():
-        setattr(_custom_ops, name, op)
+    for name, restated in RESTATED.items():
+        setattr(_custom_ops, name, restated)
     if _LIBRARIES:
         return
     _library = torch.library.Library("_C", "FRAGMENT")  # type: ignore[no-untyped-call]

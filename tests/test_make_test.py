@@ -78,6 +78,7 @@ def test_make_demo_installs_only_into_the_vllm_environment_and_runs_the_demo(
     installers = [m.group(1) for line in lines for m in PIP_INSTALL.finditer(line)]
     assert installers and all(Path(i).is_relative_to(tmp_path / "vllm" / "bin") for i in installers)
     assert any("vllm==0.33.0" in line for line in lines)
-    (run,) = [line for line in lines if "-m harness.engine_demo" in line]
+    commands = "\n".join(lines).replace("\\\n", " ").splitlines()  # continued lines joined
+    (run,) = [command for command in commands if "-m harness.engine_demo" in command]
     assert f'PYTHONPATH="{ROOT}/tests/vllm/startup:{ROOT}"' in run
     assert "VLLM_TARGET_DEVICE=cpu" in run and f"{tmp_path}/vllm/bin/python" in run
