@@ -75,6 +75,11 @@ class Daemon:
             on_ready=self.custody.model_ready,
             on_gone=self.custody.model_gone,
             on_startup_failure=on_startup_failure,
+            # The desk is built below; an eviction asks its lease table then.
+            leases_on=lambda model_id: self.desk.leases.count(model_id),  # noqa: PLW0108
+            on_evicted=lambda record, pressure: self.metrics.evictions.labels(
+                pressure=pressure.value
+            ).inc(),
         )
         # Leases, parked engines and start-up slots: granted, renewed and released at one desk.
         self.desk = LeaseDesk(
@@ -96,6 +101,7 @@ class Daemon:
             settings.allow_token_donations,
             self.identity,
             lambda: self.arena_dir,
+            self.metrics,
         )
 
     @property
@@ -228,8 +234,11 @@ class Daemon:
         """What the state gauges show, read under the lock at scrape time."""
         with self.lock:
             counts, resident = self.models.totals()
+            donated, donated_bytes = self.models.donated_totals()
             parked, tickets = self.desk.waiting_counts()
-            return StateSnapshot(counts, resident, self.leases.count(), parked, tickets)
+            return StateSnapshot(
+                counts, resident, self.leases.count(), parked, tickets, donated, donated_bytes
+            )
 
     def health(self) -> Health:
         return Health(

@@ -30,6 +30,10 @@ class StateSnapshot:
     leases_active: int = 0
     parked: int = 0  # ranks of parked engines still waiting
     startup_slots: dict[str, int] = field(default_factory=dict)  # tickets by state
+    # Of the models above, those engines donated: by state (loading: offered, not committed),
+    # and the arena bytes the ready ones hold.
+    donated_by_state: dict[str, int] = field(default_factory=dict)
+    donated_bytes_resident: int = 0
 
 
 class _StateCollector(Collector):
@@ -48,7 +52,18 @@ class _StateCollector(Collector):
         slots = GaugeMetricFamily(
             "weight_cache_startup_slot_tickets", "Start-up slot tickets by state", labels=["state"]
         )
+        donated = GaugeMetricFamily(
+            "weight_cache_donated_models",
+            "Models engines donated, by state (loading: offered, not committed yet)",
+            labels=["state"],
+        )
+        donated_resident = GaugeMetricFamily(
+            "weight_cache_donated_resident_bytes", "Arena bytes held by donated models"
+        )
         state = self.snapshot()
+        for name, n in state.donated_by_state.items():
+            donated.add_metric([name], n)
+        donated_resident.add_metric([], state.donated_bytes_resident)
         parked.add_metric([], state.parked)
         for name, n in state.startup_slots.items():
             slots.add_metric([name], n)
@@ -62,6 +77,8 @@ class _StateCollector(Collector):
         yield leases
         yield parked
         yield slots
+        yield donated
+        yield donated_resident
 
 
 class Metrics:
@@ -122,6 +139,32 @@ class Metrics:
             "weight_cache_startup_slot_reclaims",
             "Start-up slots taken back from their engine (engine_gone, hold_expired)",
             ["why"],
+            registry=r,
+        )
+        # Donations (service/registry/donations.py): every offer ends committed, refused at its
+        # commit, or abandoned (by its donor, its donor gone, or unloaded before its commit).
+        self.donations_offered = Counter(
+            "weight_cache_donations_offered", "Donations offered an arena", registry=r
+        )
+        self.donations_committed = Counter(
+            "weight_cache_donations_committed", "Donations committed (ready models)", registry=r
+        )
+        self.donations_refused = Counter(
+            "weight_cache_donations_refused",
+            "Donation offers and commits refused, by error code",
+            ["code"],
+            registry=r,
+        )
+        self.donations_abandoned = Counter(
+            "weight_cache_donations_abandoned",
+            "Pending donations dropped, by why (donor, donor_gone, unloaded)",
+            ["why"],
+            registry=r,
+        )
+        self.evictions = Counter(
+            "weight_cache_evictions",
+            "Models evicted to make room, by pressure (memory_budget, max_models, free_memory)",
+            ["pressure"],
             registry=r,
         )
         r.register(_StateCollector(snapshot))

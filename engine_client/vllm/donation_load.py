@@ -17,6 +17,7 @@ equals this engine's, else load with vLLM's default loader and donate.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,7 @@ from protocol.logsafe import get_logger
 from protocol.reasons import Reason
 from protocol.schemas.donated import DONATED_KERNEL, DonationKey
 
-__all__ = ["DonatedLoad", "attach_or_donate", "donates"]
+__all__ = ["DonatedLoad", "LoadInputs", "attach_or_donate", "donates"]
 
 log = get_logger(__name__)
 
@@ -67,6 +68,20 @@ def donates(exc: Exception, options: LoaderOptions) -> bool:
     if options.donate is not None:
         return options.donate
     return isinstance(exc, (NotModelOptCheckpointError, UnsupportedQuantAlgoError))
+
+
+@dataclass(frozen=True)
+class LoadInputs:
+    """What the load step hands this load: vLLM's configs, how to build and fill the model (the
+    steps of vLLM's default loader), how to reach the daemon, and the target device. One
+    object, as both ways of the load (attach or donate) take all of it."""
+
+    vllm_config: Any
+    model_config: Any
+    create_model: Callable[[], nn.Module]
+    load_weights: Callable[[nn.Module], None]
+    config: ClientConfig
+    device: torch.device
 
 
 class _NoDonation(Exception):
@@ -109,29 +124,23 @@ def _bound(
     return attachment
 
 
-def attach_or_donate(
-    vllm_config: Any,
-    model_config: Any,
-    create_model: Any,
-    load_weights: Any,
-    config: ClientConfig,
-    device: torch.device,
-    fallback: bool,
-) -> DonatedLoad:
+def attach_or_donate(load: LoadInputs, fallback: bool) -> DonatedLoad:
     """Attach to this rank's donated model, else load and donate it (see the module); where the
     daemon cannot be asked (down, say), load without donating and say why (with ``fallback``
     off, raise why)."""
-    checkpoint = local_checkpoint(model_config)
+    checkpoint = local_checkpoint(load.model_config)
     rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     try:
-        with forget_build_on_error(vllm_config):
+        with forget_build_on_error(load.vllm_config):
             with torch.device("meta"):
-                model = create_model()
-            key = donation_key(vllm_config, model_config, model, checkpoint, device, rank, size)
-            found = find_donation(config, key)
+                model = load.create_model()
+            key = donation_key(
+                load.vllm_config, load.model_config, model, checkpoint, load.device, rank, size
+            )
+            found = find_donation(load.config, key)
             if found.model is None:
                 raise _NoDonation(key, found)
-            attachment = _bound(model, config, found.model, device, key)
+            attachment = _bound(model, load.config, found.model, load.device, key)
     except _NoDonation as no_donation:
         missing: _NoDonation | WeightCacheError = no_donation.with_traceback(None)
     except WeightCacheError as exc:
@@ -150,23 +159,16 @@ def attach_or_donate(
             raise missing
         reason = record_fallback(missing, "serving its own load")
         with own_failure_after(reason):
-            model, _ = processed_load(create_model, load_weights, model_config, device)
+            model, _ = processed_load(
+                load.create_model, load.load_weights, load.model_config, load.device
+            )
         return DonatedLoad(model, None, reason=reason, error=missing)
-    return _load_and_donate(
-        vllm_config, model_config, create_model, load_weights, config, device, missing
-    )
+    return _load_and_donate(load, missing)
 
 
-def _load_and_donate(
-    vllm_config: Any,
-    model_config: Any,
-    create_model: Any,
-    load_weights: Any,
-    config: ClientConfig,
-    device: torch.device,
-    missing: _NoDonation,
-) -> DonatedLoad:
-    model, before = processed_load(create_model, load_weights, model_config, device)
+def _load_and_donate(load: LoadInputs, missing: _NoDonation) -> DonatedLoad:
+    config, device = load.config, load.device
+    model, before = processed_load(load.create_model, load.load_weights, load.model_config, device)
     found = missing.found
     if found.pending:
         error: WeightCacheError = VerificationError(

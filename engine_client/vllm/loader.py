@@ -38,7 +38,7 @@ from engine_client.attach import Attachment
 from engine_client.client import ClientConfig
 from engine_client.fallback import FALLING_BACK, fall_back_or_raise, own_failure_after
 from engine_client.loader_options import LoaderOptions
-from engine_client.vllm.donation_load import attach_or_donate, donates
+from engine_client.vllm.donation_load import LoadInputs, attach_or_donate, donates
 from engine_client.vllm.engine_start import (
     daemon_model,
     rank_bytes,
@@ -167,12 +167,14 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
         with vLLM's default loader and donate it (:mod:`.donation_load`)."""
         with set_default_torch_dtype(model_config.dtype):
             done = attach_or_donate(
-                vllm_config,
-                model_config,
-                lambda: self.create_model(vllm_config, model_config, prefix),
-                lambda model: self._default().load_weights(model, model_config),
-                self.options.client_config(),
-                target_device(vllm_config),
+                LoadInputs(
+                    vllm_config,
+                    model_config,
+                    lambda: self.create_model(vllm_config, model_config, prefix),
+                    lambda model: self._default().load_weights(model, model_config),
+                    self.options.client_config(),
+                    target_device(vllm_config),
+                ),
                 self.options.fallback,
             )
         self.attachment, self.donated, self.fallback_reason = (

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from protocol.schemas.donated import DonatedState, DonationKey, Donor
+from protocol.schemas.engine_ranks import ClientPid
 from protocol.schemas.layout import WireDType
 from protocol.schemas.manifest import ArenaHandle, TensorEntry
 from protocol.schemas.models import ModelState
@@ -31,7 +32,7 @@ class DonationRequest(BaseModel):
 
     key: DonationKey
     tensors: list[DonatedTensorSpec] = Field(min_length=1, max_length=MAX_DONATED_TENSORS)
-    client_pid: StrictInt = Field(ge=1, le=2**31 - 1)
+    client_pid: ClientPid = Field(strict=True)  # this model is not strict as a whole
 
 
 class DonationOffer(BaseModel):

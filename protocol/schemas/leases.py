@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from protocol.schemas.engine_ranks import GROUP_PATTERN, ClientPid
 from protocol.schemas.manifest import ArenaDescriptor, Manifest
-from protocol.schemas.parking import GROUP_PATTERN
 from protocol.schemas.tensor_parallel import TpRank, TpSize
 
 MAX_TTL_S = 86_400.0
@@ -24,7 +24,7 @@ class LeaseRequest(BaseModel):
     format: str = Field(
         pattern=_NAME, description="the weight format the engine expects; 'default' is served"
     )
-    client_pid: int = Field(ge=1, le=2**31 - 1)
+    client_pid: ClientPid
     ttl_s: float | None = Field(default=None, gt=0, le=MAX_TTL_S)
     known_layout: str | None = Field(
         default=None,

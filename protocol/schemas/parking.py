@@ -8,9 +8,9 @@ import enum
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from protocol.schemas.engine_ranks import ClientPid, EngineGroup
 from protocol.schemas.tensor_parallel import TpRank, TpSize
 
-GROUP_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 MAX_WAIT_S = 60.0  # longest long-poll of one request
 
 
@@ -33,10 +33,9 @@ class ParkRequest(BaseModel):
     model: str = Field(min_length=1, max_length=128)
     tp_rank: TpRank
     tp_size: TpSize
-    client_pid: int = Field(ge=1, le=2**31 - 1)
-    group: str = Field(
-        pattern=GROUP_PATTERN,
-        description="shared by the TP ranks of one engine, which are released together",
+    client_pid: ClientPid
+    group: EngineGroup = Field(
+        description="shared by the TP ranks of one engine, which are released together"
     )
     if_serving: bool = Field(
         default=False,

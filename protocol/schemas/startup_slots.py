@@ -13,7 +13,7 @@ import enum
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from protocol.schemas.parking import GROUP_PATTERN
+from protocol.schemas.engine_ranks import ClientPid, EngineGroup
 from protocol.schemas.tensor_parallel import TpRank, TpSize
 
 DEVICE_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
@@ -32,10 +32,9 @@ class SlotRequest(BaseModel):
     )
     tp_rank: TpRank
     tp_size: TpSize
-    client_pid: int = Field(ge=1, le=2**31 - 1)
-    group: str = Field(
-        pattern=GROUP_PATTERN,
-        description="shared by the TP ranks of one engine: their GPUs are granted together",
+    client_pid: ClientPid
+    group: EngineGroup = Field(
+        description="shared by the TP ranks of one engine: their GPUs are granted together"
     )
 
 

@@ -126,6 +126,7 @@ def adopt_model(kept: KeptModel, fds: ArenaFds, arena_dir: ArenaDir | None) -> M
         checkpoint=kept.checkpoint,
         load_seconds=kept.load_seconds,
         reserved_bytes=sum(a.nbytes for a in kept.arenas),
+        donation=any(rank.manifest.donation is not None for rank in ranks),
     )
 
 

@@ -42,6 +42,7 @@ from protocol.errors import (
     InsufficientMemoryError,
     InvalidRequestError,
     ShmDirError,
+    WeightCacheError,
 )
 from protocol.logsafe import get_logger
 from protocol.processes import process_status
@@ -64,6 +65,7 @@ from protocol.schemas.models import ModelState
 from service.memory.arena import Arena, allocate_arena
 from service.memory.layout import ArenaLayout, pack
 from service.memory.shm import ArenaDir
+from service.metrics import Metrics
 from service.registry.lease_holders import Caller, prove_holder, trusted_uids
 from service.registry.loader import Progress, ResidentRank
 from service.registry.model_table import ModelTable
@@ -117,19 +119,31 @@ class Donations:
         token_donations: bool,
         daemon: DaemonIdentity,
         arena_dir: Callable[[], ArenaDir | None],
+        metrics: Metrics,
     ) -> None:
         self.models = models
         self.lock = lock
         self.token_donations = token_donations
         self.daemon = daemon
         self.arena_dir = arena_dir
+        self.metrics = metrics
         self.pending: dict[str, Pending] = {}
 
     # --- the offer ----------------------------------------------------------------------------
 
     def offer(self, req: DonationRequest, caller: Caller) -> DonationOffer:
         """An arena for ``req``'s tensors, registered under its key; refused to a caller that
-        may not donate and for a key held or being donated."""
+        may not donate and for a key held or being donated. Unleased donated models may be
+        evicted to make room (:mod:`service.registry.eviction`)."""
+        try:
+            offer = self._offer(req, caller)
+        except WeightCacheError as exc:
+            self.metrics.donations_refused.labels(code=exc.code).inc()
+            raise
+        self.metrics.donations_offered.inc()
+        return offer
+
+    def _offer(self, req: DonationRequest, caller: Caller) -> DonationOffer:
         if not may_donate(caller, self.token_donations):
             raise DonationNotAllowedError(
                 f"uid {caller.uid} may not donate to this daemon", uid=caller.uid
@@ -151,7 +165,11 @@ class Donations:
         arena_dir = self.arena_dir()
         if arena_dir is None:
             raise ShmDirError("no shared-memory arena directory (see --shm-dir)")
-        free = shutil.disk_usage(arena_dir.path).free
+        free = self.models.make_free(
+            Placement(DeviceKind.cpu),
+            layout.nbytes,
+            lambda: shutil.disk_usage(arena_dir.path).free,
+        )
         if layout.nbytes > free:
             raise InsufficientMemoryError(
                 f"the donation needs {layout.nbytes} bytes of shared memory, "
@@ -165,6 +183,7 @@ class Donations:
             path=Path(req.key.checkpoint_path),
             tp_size=1,
             progress=Progress(bytes_total=layout.nbytes, tensors_total=len(req.tensors)),
+            donation=True,
         )
         donor = Donor(
             uid=caller.uid,
@@ -228,6 +247,15 @@ class Donations:
     def commit(self, model_id: str, body: DonationCommit, caller: Caller) -> ModelRecord:
         """Check every committed tensor against the arena offered and its checksum, then publish
         the model; any mismatch drops the donation with its arena."""
+        try:
+            record = self._commit(model_id, body, caller)
+        except WeightCacheError as exc:
+            self.metrics.donations_refused.labels(code=exc.code).inc()
+            raise
+        self.metrics.donations_committed.inc()
+        return record
+
+    def _commit(self, model_id: str, body: DonationCommit, caller: Caller) -> ModelRecord:
         pending = self._take(model_id, body.secret, caller)
         try:
             entries = _checked_entries(pending, body.tensors)
@@ -251,6 +279,7 @@ class Donations:
     def abandon(self, model_id: str, secret: str, caller: Caller) -> None:
         """The donor gives up (its copy failed): the model and its arena go."""
         self._drop(self._take(model_id, secret, caller))
+        self.metrics.donations_abandoned.labels(why="donor").inc()
 
     def _drop(self, pending: Pending) -> None:
         with self.lock:
@@ -260,24 +289,23 @@ class Donations:
     def drop_abandoned(self) -> None:
         """Drop every pending donation whose donor process ended, or whose model was unloaded."""
         with self.lock:
-            gone = [p for p in self.pending.values() if not self._alive(p)]
-            for p in gone:
+            gone = [(p, why) for p in self.pending.values() if (why := self._gone(p)) is not None]
+            for p, _ in gone:
                 del self.pending[p.record.id]
-        for p in gone:
-            log.warning(
-                "donation %s dropped: its donor (pid %s) is gone or it was unloaded",
-                p.record.id,
-                p.donor.pid,
-            )
+        for p, why in gone:
+            log.warning("donation %s dropped (%s; donor pid %s)", p.record.id, why, p.donor.pid)
             self._drop(p)
+            self.metrics.donations_abandoned.labels(why=why).inc()
 
-    def _alive(self, pending: Pending) -> bool:
+    def _gone(self, pending: Pending) -> str | None:
+        """Why ``pending`` is to be dropped (``unloaded``, ``donor_gone``); None: it stands."""
         if self.models.records.get(pending.record.id) is not pending.record:
-            return False
+            return "unloaded"
         if pending.donor.pid is None or pending.pid_start is None:
-            return True
+            return None
         status = process_status(pending.donor.pid)
-        return status is not None and not status.ended and status.start == pending.pid_start
+        alive = status is not None and not status.ended and status.start == pending.pid_start
+        return None if alive else "donor_gone"
 
     def _manifest(self, pending: Pending, entries: list[TensorEntry], donated: Donated) -> Manifest:
         key = pending.key

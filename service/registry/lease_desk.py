@@ -127,6 +127,7 @@ class LeaseDesk:
                 self.leases.end(lease.id, LeaseEnd.released)
                 raise
             self.keeper.lease_granted(lease)
+            record.touch()
             info = lease.info(self.boot_id)
         self.exit_watch.poke()  # watch its holder from now on
         self.metrics.leases_granted.labels(via="request").inc()
@@ -175,6 +176,9 @@ class LeaseDesk:
             LeaseEnd.reaped: self.metrics.leases_reaped,
         }
         counters[how].inc()
+        record = self.models.records.get(lease.model)
+        if record is not None:
+            record.touch()  # idle from now on (the eviction order)
         now = self.clock()
         if lease.standby_group is not None and how is LeaseEnd.reaped:
             self.parking.standby_engine_gone(lease.standby_group, lease.holder.uid, now)

@@ -6,6 +6,7 @@ load holds no memory.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import threading
@@ -75,6 +76,11 @@ class ResidentRank:
         self.manifest_json = self.manifest.model_dump_json().encode()
 
 
+def _measured(placement: Placement, needed: int, free: Callable[[], int]) -> int:
+    """The bytes free on ``placement``, nothing evicted (a load outside a daemon's table)."""
+    return free()
+
+
 @dataclass(frozen=True)
 class LoadRequest:
     model_id: str
@@ -93,6 +99,9 @@ class LoadRequest:
     # Told the bytes of safetensors headers the load will parse, before it reads them: may wait
     # for room beside the other loads (:mod:`service.registry.header_budget`), or cancel.
     claim_headers: Callable[[int], None] = lambda nbytes: None
+    # Asked, before the free memory on a placement is checked, to make ``needed`` bytes free
+    # there (``free`` measures it): answers the bytes free, counting what it evicted.
+    make_free: Callable[[Placement, int, Callable[[], int]], int] = _measured
 
     @classmethod
     def unmanaged(
@@ -138,27 +147,39 @@ def _destinations(arena: Arena) -> Iterator[StorageFor]:
         os.close(fd)
 
 
+def _free_on(placement: Placement, arena_dir: ArenaDir | None) -> Callable[[], int] | None:
+    """What measures the bytes free where ``placement``'s arena goes (None: nothing to check)."""
+    if placement.kind is DeviceKind.cuda:
+        assert placement.index is not None
+        return functools.partial(_gpu_free, placement.index)
+    if arena_dir is not None:
+        return functools.partial(_shm_free, arena_dir.path)
+    return None
+
+
+def _gpu_free(index: int) -> int:
+    return torch.cuda.mem_get_info(index)[0]
+
+
+def _shm_free(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
 def _check_budget(req: LoadRequest, needed: int) -> None:
     req.reserve(needed)
     for placement in set(req.placements):
-        if placement.kind is DeviceKind.cuda:
-            assert placement.index is not None
-            free, _ = torch.cuda.mem_get_info(placement.index)
-            share = needed * req.placements.count(placement) // len(req.placements)
-            if share > free:
-                raise InsufficientMemoryError(
-                    f"model needs {share} bytes on GPU {placement.index}, {free} free",
-                    needed=share,
-                    available=free,
-                )
-        elif req.arena_dir is not None:
-            free = shutil.disk_usage(req.arena_dir.path).free
-            if needed > free:
-                raise InsufficientMemoryError(
-                    f"model needs {needed} bytes of shared memory, {req.arena_dir.path} has {free}",
-                    needed=needed,
-                    available=free,
-                )
+        free = _free_on(placement, req.arena_dir)
+        if free is None:
+            continue
+        share = needed * req.placements.count(placement) // len(req.placements)
+        available = req.make_free(placement, share, free)
+        if share > available:
+            where = "shared memory" if placement.index is None else f"GPU {placement.index}"
+            raise InsufficientMemoryError(
+                f"model needs {share} bytes in {where}, {available} free",
+                needed=share,
+                available=available,
+            )
 
 
 def _manifest(

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from modelopt_fp8.checkpoint.opened import PathPolicy
 from modelopt_fp8.processing.pool import lower_priority
+from protocol.devices import Placement
 from protocol.errors import (
     ArenaLostError,
     DonationExistsError,
@@ -34,6 +35,7 @@ from protocol.schemas.models import ModelState, default_model_id
 from service.memory.devices import resolve_placements
 from service.memory.shm import ArenaDir
 from service.memory.trim import give_back_freed_memory
+from service.registry.eviction import Pressure, eviction_order
 from service.registry.header_budget import HeaderBudget
 from service.registry.loader import LoadCancelled, LoadRequest, ResidentRank, load_model
 from service.registry.models import ModelRecord
@@ -53,12 +55,17 @@ class ModelTable:
         on_ready: Callable[[ModelRecord], None] = lambda record: None,
         on_gone: Callable[[ModelRecord], None] = lambda record: None,
         on_startup_failure: Callable[[], None] | None = None,
+        leases_on: Callable[[str], int] = lambda model_id: 0,
+        on_evicted: Callable[[ModelRecord, Pressure], None] = lambda record, pressure: None,
     ) -> None:
         self.settings = settings
         self.lock = lock
         self.on_loaded = on_loaded  # told each successful load's seconds (a histogram)
         self.on_ready = on_ready  # told, under the lock, each model that became ready (kept)
-        self.on_gone = on_gone  # told each ready model that failed after (the keeper drops it)
+        # told each ready model that failed after, or was evicted (the keeper drops it)
+        self.on_gone = on_gone
+        self.leases_on = leases_on  # a model's active leases (an eviction never takes a leased one)
+        self.on_evicted = on_evicted  # told each model evicted, and for what (a counter)
         self.records: dict[str, ModelRecord] = {}
         # Models asked for at start and not unloaded since: what /ready waits for.
         self.startup: list[str] = []
@@ -122,6 +129,19 @@ class ModelTable:
             for record in self.records.values():
                 counts[record.state.value] += 1
                 resident[record.id] = record.bytes_resident
+            return counts, resident
+
+    def donated_totals(self) -> tuple[dict[str, int], int]:
+        """Donated models by state (loading: offered, not committed), and the arena bytes the
+        ready ones hold (the donation gauges)."""
+        with self.lock:
+            counts = {state.value: 0 for state in ModelState}
+            resident = 0
+            for record in self.records.values():
+                if record.donation:
+                    counts[record.state.value] += 1
+                    if record.state is ModelState.ready:
+                        resident += record.bytes_resident
             return counts, resident
 
     def held_by_device(self) -> dict[int | None, int]:
@@ -216,8 +236,6 @@ class ModelTable:
                 "tp_size", str(exc), "value_error", tp_size=tp_size
             ) from exc
         with self.lock:
-            if limited:
-                self._check_room()
             if model_id in self.records:
                 taken = self.records[model_id]
                 raise ModelExistsError(
@@ -226,6 +244,8 @@ class ModelTable:
                     model=model_id,
                     state=taken.state,
                 )
+            if limited:
+                self._check_room(evict=True)
             record = ModelRecord(id=model_id, path=path, tp_size=tp_size)
             self.records[model_id] = record
         request = LoadRequest(
@@ -240,6 +260,7 @@ class ModelTable:
             opened=lambda ckpt: self._opened(record, ckpt),
             cuda_handles=self.settings.cuda_handles,
             claim_headers=lambda nbytes: self._claim_headers(record, nbytes),
+            make_free=self.make_free,
         )
         thread = threading.Thread(
             target=self._run_load, args=(record, request), name=f"load-{model_id}", daemon=True
@@ -254,12 +275,12 @@ class ModelTable:
         """Register a model an engine is donating (no load thread: the donor writes it), past
         the same caps and budget as a load; its id taken is a :class:`DonationExistsError`."""
         with self.lock:
-            self._check_room()
             if record.id in self.records:
                 raise DonationExistsError(
                     f"{record.id} is held already ({self.records[record.id].state.value})",
                     model=record.id,
                 )
+            self._check_room(evict=True)
             self._reserve(record, nbytes)
             self.records[record.id] = record
 
@@ -289,17 +310,12 @@ class ModelTable:
 
     def check_room(self) -> None:
         """Refuse one more model past ``max_models``, one more load past
-        ``max_concurrent_loads`` (loads an unload overtook still count until they stop)."""
+        ``max_concurrent_loads`` (loads an unload overtook still count until they stop); a model
+        that could be evicted counts as room (nothing is evicted here)."""
         with self.lock:
-            self._check_room()
+            self._check_room(evict=False)
 
-    def _check_room(self) -> None:
-        cap = self.settings.max_models
-        if len(self.records) >= cap:
-            raise TooManyModelsError(
-                f"the daemon holds its maximum of {cap} models (failed ones count until unloaded)",
-                limit=cap,
-            )
+    def _check_room(self, evict: bool) -> None:
         loading = [r for r in self.records.values() if r.state is ModelState.loading]
         cap = self.settings.max_concurrent_loads
         if len(loading) + len(self._draining) >= cap:
@@ -308,6 +324,57 @@ class ModelTable:
                 limit=cap,
                 retry_after_s=min((r.retry_after_s() for r in loading), default=1),
             )
+        cap = self.settings.max_models
+        if len(self.records) < cap:
+            return
+        if evict:
+            self.evict_until(lambda freed: len(self.records) < cap, Pressure.max_models)
+            held = len(self.records)
+        else:
+            held = len(self.records) - len(eviction_order(self.records.values(), self.leases_on))
+        if held >= cap:
+            raise TooManyModelsError(
+                f"the daemon holds its maximum of {cap} models (failed ones count until unloaded)",
+                limit=cap,
+            )
+
+    # --- making room (service/registry/eviction.py) --------------------------------------------
+
+    def evict_until(
+        self,
+        fits: Callable[[int], bool],
+        pressure: Pressure,
+        placement: Placement | None = None,
+    ) -> int:
+        """Evict models, in eviction order (with an arena on ``placement`` if given), until
+        ``fits`` the bytes freed so far; returns those bytes. Caller holds the lock."""
+        freed = 0
+        for record in eviction_order(self.records.values(), self.leases_on, placement):
+            if fits(freed):
+                break
+            freed += self._evict(record, pressure)
+        return freed
+
+    def make_free(self, placement: Placement, needed: int, free: Callable[[], int]) -> int:
+        """Evict until ``placement`` has ``needed`` bytes free, ``free`` measuring it before;
+        the bytes free then, counting what the evicted models give back (the keeper may let go
+        of their memory a moment later)."""
+        with self.lock:
+            before = free()
+            return before + self.evict_until(
+                lambda freed: before + freed >= needed, Pressure.free_memory, placement
+            )
+
+    def _evict(self, record: ModelRecord, pressure: Pressure) -> int:
+        """Forget ``record`` and release its arenas, as an unload does; its bytes."""
+        nbytes = record.bytes_resident
+        del self.records[record.id]
+        self.on_gone(record)  # the keeper lets go of it
+        record.release()
+        record.reserved_bytes = 0
+        self.on_evicted(record, pressure)
+        log.info("evicted %s (%d bytes, no lease) for %s", record.id, nbytes, pressure.value)
+        return nbytes
 
     def _opened(self, record: ModelRecord, checkpoint: CheckpointIdentity) -> None:
         with self.lock:
@@ -315,18 +382,23 @@ class ModelTable:
 
     def _reserve(self, record: ModelRecord, nbytes: int) -> None:
         """Claim budget for a load before it allocates, so concurrent loads cannot together
-        exceed it; the claim lasts as long as the record (a failed load gives it back)."""
+        exceed it (models that may be evicted make room first); the claim lasts as long as the
+        record (a failed load gives it back)."""
         budget = self.settings.memory_budget_bytes
         with self.lock:
             if budget is not None:
-                holders = [*self.records.values(), *self._draining]
-                claimed = sum(r.reserved_bytes for r in holders if r is not record)
-                if claimed + nbytes > budget:
+
+                def claimed() -> int:
+                    holders = [*self.records.values(), *self._draining]
+                    return sum(r.reserved_bytes for r in holders if r is not record)
+
+                self.evict_until(lambda freed: claimed() + nbytes <= budget, Pressure.memory_budget)
+                left = budget - claimed()
+                if nbytes > left:
                     raise InsufficientMemoryError(
-                        f"model needs {nbytes} bytes but the memory budget has "
-                        f"{budget - claimed} left",
+                        f"model needs {nbytes} bytes but the memory budget has {left} left",
                         needed=nbytes,
-                        available=budget - claimed,
+                        available=left,
                     )
             record.reserved_bytes = nbytes
 

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from protocol.devices import Placement
 from protocol.errors import ModelFailedError, ModelLoadingError, WeightCacheError
 from protocol.schemas.donated import Donated
 from protocol.schemas.manifest import CheckpointIdentity
@@ -26,6 +27,19 @@ class ModelRecord:
     started_at: float = field(default_factory=time.monotonic)
     load_seconds: float | None = None
     reserved_bytes: int = 0  # memory budget claimed by this model (its arenas, once planned)
+    donation: bool = False  # an engine gave it (from its offer on), not this daemon's load
+    last_used: float = field(default_factory=time.monotonic)  # its last lease's grant or end
+
+    def touch(self) -> None:
+        """A lease on it was granted or ended now (the eviction order's recency)."""
+        self.last_used = time.monotonic()
+
+    def holds_on(self, placement: Placement) -> bool:
+        """Whether an arena of this model is on ``placement``'s device."""
+        return any(
+            rank.arena.device.kind is placement.kind and rank.arena.device.index == placement.index
+            for rank in self.ranks
+        )
 
     @property
     def donated(self) -> Donated | None:

@@ -30,12 +30,16 @@ DRA_API_VERSION = "resource.k8s.io/v1"
 
 # Containers by what they run: the daemon image (docker/Dockerfile) or the engine image
 # (docker/Dockerfile.vllm). A container of another name fails the checks until it is sorted here.
-DAEMON_IMAGE_CONTAINERS = {"daemon", "keeper"}
+# The prerequisites check (docker/check_prerequisites.py) is in the daemon's image.
+PREREQUISITES = "prerequisites"
+DAEMON_IMAGE_CONTAINERS = {"daemon", "keeper", PREREQUISITES}
 ENGINE_IMAGE_CONTAINERS = {"engine", "engine-b", "wait-for-daemon"}
 # Caddy in front of a warm standby's two engines (sidecar-warm-standby), from its own image.
 PROXY_CONTAINERS = {"proxy"}
 PROXY_IMAGE = "caddy:2.11"
 RUN_DIR = "/run/weight-cache"
+# The node cache's engines keep their compile and kernel caches in this directory of their node.
+NODE_ENGINE_CACHE = "/var/cache/weight-cache"
 
 # Settings decided for this round (file-descriptor handles, the keeper) whose fields another
 # branch adds to DaemonSettings; the manifests already set them. Once service/env.py knows a name
@@ -105,7 +109,8 @@ def pods() -> list[Pod]:
 
 
 def env_of(container: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container.get("env", [])}
+    """The container's variables given as values (those from the downward API left out)."""
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
 
 
 def arg_after(args: list[str], flag: str) -> str:

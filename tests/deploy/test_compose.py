@@ -103,7 +103,7 @@ def test_keeper_service(compose: dict[str, Any]) -> None:
     from service.env import check_environment
 
     check_environment(keeper["environment"])
-    assert compose["volumes"] == {"run": {}, "vllm-cache": {}}
+    assert compose["volumes"] == {"run": {}, "engine-cache": {}}
     from click.testing import CliRunner
 
     from weight_cache_cli import cli
@@ -162,7 +162,7 @@ def test_engine_service(compose: dict[str, Any]) -> None:
     assert engine["volumes"] == [
         "/srv/models:/models:ro",
         "run:/run/weight-cache",
-        "vllm-cache:/var/cache/vllm",  # the compile cache (tests/deploy/test_images.py)
+        "engine-cache:/var/cache/engine",  # the kernel caches (tests/deploy/test_engine_cache.py)
     ]
     assert engine["secrets"] == ["weight_cache_token"]
     assert engine["restart"] == "unless-stopped"
@@ -372,7 +372,7 @@ def test_warm_standby_override_forms_one_topology(compose: dict[str, Any], tmp_p
         assert "ports" not in svc, name
     for same in ("image", "secrets", "volumes", "depends_on", "deploy", "restart", "command"):
         assert standby[same] == engine[same], same
-    assert standby["environment"] == engine["environment"] == {"VLLM_CACHE_ROOT": "/var/cache/vllm"}
+    assert standby["environment"] == engine["environment"] == compose["x-engine-cache"]
     assert proxy["image"].startswith("caddy:")
     assert proxy["volumes"] == ["./Caddyfile:/etc/caddy/Caddyfile:ro"]
     assert proxy["environment"]["ENGINE_UPSTREAMS"] == "engine:8000 standby:8000"

@@ -140,14 +140,3 @@ def test_the_build_script_skips_cleanly_without_a_docker_daemon() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout == f"skipped: {why}; built none of {DAEMON_TAG}, {ENGINE_TAG}\n"
     assert "images:" in (ROOT / "Makefile").read_text()
-
-
-def test_engines_keep_the_compile_cache_on_a_shared_volume() -> None:
-    """vLLM's compile cache (VLLM_CACHE_ROOT) lives on a named volume that every engine service
-    mounts, so a restarted or recreated engine container compiles nothing again."""
-    compose = compose_with_defaults()
-    assert "vllm-cache" in compose["volumes"]
-    for name in ("engine", "standby"):
-        service = compose["services"][name]
-        assert service["environment"]["VLLM_CACHE_ROOT"] == "/var/cache/vllm", name
-        assert "vllm-cache:/var/cache/vllm" in service["volumes"], name

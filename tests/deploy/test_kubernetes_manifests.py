@@ -13,6 +13,8 @@ import pytest
 from tests.deploy.kubernetes_files import (
     DAEMON_IMAGE_CONTAINERS,
     ENGINE_IMAGE_CONTAINERS,
+    NODE_ENGINE_CACHE,
+    PREREQUISITES,
     PROXY_CONTAINERS,
     RUN_DIR,
     TOPOLOGIES,
@@ -74,13 +76,17 @@ def test_pod_runs_unprivileged(pod: Pod) -> None:
 
 
 @pytest.mark.parametrize("pod", PODS, ids=pod_ids)
-def test_host_paths_only_for_the_run_directory(pod: Pod) -> None:
-    """The node cache's run directory is the one host path (its sockets pass descriptors); an
-    engine mounts it read-only (connecting to a socket needs no write access)."""
+def test_host_paths_only_for_the_run_directory_and_the_engine_cache(pod: Pod) -> None:
+    """The node cache's run directory (its sockets pass descriptors) and its engines' cache are
+    the only host paths, both prepared beforehand (``Directory``: one the kubelet created would
+    be root's); an engine mounts the run directory read-only (connecting to a socket needs no
+    write access)."""
+    allowed = {RUN_DIR, NODE_ENGINE_CACHE}
     for volume in pod.spec.get("volumes", []):
         if "hostPath" in volume:
             assert pod.topology == "node-cache"
-            assert volume["hostPath"] == {"path": RUN_DIR, "type": "Directory"}
+            assert volume["hostPath"]["path"] in allowed
+            assert volume["hostPath"]["type"] == "Directory"
     for container in pod.containers():
         for mount in container.get("volumeMounts", []):
             if mount["mountPath"] == RUN_DIR:
@@ -250,8 +256,10 @@ def test_sidecar_pod_starts_keeper_then_daemon_then_engine() -> None:
     for pod in PODS:
         if not pod.topology.startswith("sidecar"):
             continue
-        sidecars = [c["name"] for c in pod.spec["initContainers"]]
-        assert all(c.get("restartPolicy") == "Always" for c in pod.spec["initContainers"])
+        check, *init = pod.spec["initContainers"]  # the prerequisites run to their end first
+        assert check["name"] == PREREQUISITES and "restartPolicy" not in check
+        sidecars = [c["name"] for c in init]
+        assert all(c.get("restartPolicy") == "Always" for c in init)
         assert sidecars == (
             ["daemon"] if pod.topology == "sidecar-legacy-ipc" else ["keeper", "daemon"]
         )
@@ -267,7 +275,7 @@ def test_node_cache_daemon_upgrades_in_place() -> None:
     the allocations it holds, with it (README.md there: "Upgrading the daemon")."""
     (daemonset,) = of_kind("node-cache", "DaemonSet")
     assert daemonset["spec"]["updateStrategy"] == {"type": "OnDelete"}
-    keeper = daemonset["spec"]["template"]["spec"]["initContainers"][0]
+    keeper = daemonset["spec"]["template"]["spec"]["initContainers"][1]
     assert keeper["name"] == "keeper" and keeper["restartPolicy"] == "Always"
 
 
@@ -390,14 +398,3 @@ def test_device_plugin_variant() -> None:
         assert {k: v for k, v in container.items() if k != "resources"} == {
             k: v for k, v in base.items() if k != "resources"
         }
-
-
-@pytest.mark.parametrize("pod", [p for p in PODS if p.container("engine")], ids=pod_ids)
-def test_engines_keep_the_compile_cache_on_a_volume(pod: Pod) -> None:
-    """vLLM's compile cache (VLLM_CACHE_ROOT) on a volume of the pod's, which a restarted engine
-    container finds again (an emptyDir lives as long as the pod)."""
-    engine = pod.container("engine")
-    assert engine is not None
-    root = env_of(engine)["VLLM_CACHE_ROOT"]
-    (mount,) = [m for m in engine["volumeMounts"] if m["mountPath"] == root]
-    assert "emptyDir" in pod.volume(mount["name"]) and not mount.get("readOnly")

@@ -162,6 +162,16 @@ class ServeProof:
         reference = reference_tokens(self.summary)
         return reference[0] if reference else None
 
+    def default_loader_tokens(self) -> list[int] | None:
+        """The default loader's answer to the first prompt: this call's restart runs', else
+        those of one engine of vLLM's default loader (R0) started for them, so that a call of
+        the crowd or warm scenarios alone still compares every engine with the default
+        loader."""
+        if self.expected() is None and self.fits("R0", ENGINE_START_S + COLD_EXTRA_S):
+            engine, _ = self.serve_run("R0", "auto", "reference")
+            engine.stop()
+        return self.expected()
+
     # --- set-up --------------------------------------------------------------------------------
 
     def write_checkpoint(self) -> None:
@@ -509,25 +519,32 @@ class ServeProof:
         runs_asked = 1 if beside else self.args.crowd_runs
         if not self.fits(what, 2 * ENGINE_START_S + count * 15):
             return
+        self.default_loader_tokens()
         rule = self.args.crowd_utilization == "auto"
         crowd: dict[str, Any] = {"engines": count, "runs": [], "beside": beside, "rule": rule}
         self.summary["scenarios"][what] = crowd
-        serving = None
-        if beside:
-            serving, run = self.serve_run("S0", "weight_cache", what)
+        serving: ServeEngine | None = None
+        serving_kv: list[float | None] = []
+        engines_on_gpu = count + (1 if beside else 0)
+        if beside:  # at the crowd's share: the rule shares the GPU among all of them
+            serving = self.start_engine(
+                "S0", "weight_cache", utilization=self.crowd_utilization(engines_on_gpu)
+            )
+            run = self.finish_run(serving, "weight_cache", what)
             if not run["ok"]:
                 raise RuntimeError("the engine the crowd starts beside did not answer")
+            serving_kv = [run["phases"].get("kv_cache_gib")]
         for index in range(1, runs_asked + 1):
             if not self.fits(f"{what} run {index}", ENGINE_START_S + count * 15):
                 break
-            share = self.crowd_utilization(count + (1 if beside else 0))
+            share = self.crowd_utilization(engines_on_gpu)
             prefix = "CS" if beside else f"C{index}."
             engines = [
                 self.start_engine(f"{prefix}{i}", "weight_cache", utilization=share)
                 for i in range(1, count + 1)
             ]
             runs = [self.finish_run(engine, "weight_cache", what) for engine in engines]
-            kv = [run["phases"].get("kv_cache_gib") for run in runs]
+            kv = [run["phases"].get("kv_cache_gib") for run in runs] + serving_kv
             outcome: dict[str, Any] = {
                 "utilization": share,
                 "answered": sum(1 for run in runs if run["ok"]),
@@ -554,7 +571,9 @@ class ServeProof:
         takeovers = self.args.takeovers
         if not self.fits(what, (takeovers + 1) * ENGINE_START_S + 30):
             return
+        reference = self.default_loader_tokens()
         warm: dict[str, Any] = {"takeovers": [], "utilization": utilization}
+        warm["reference"] = "first serving engine" if reference is None else "default loader"
         self.summary["scenarios"][what] = warm
         ports = [free_port() for _ in range(takeovers + 2)]
         while len(set(ports)) < len(ports):
@@ -579,7 +598,7 @@ class ServeProof:
             raise RuntimeError(f"no serving and sleeping pair: {named}")
         proxy = self.start_proxy(engines, ports, standby=True)
         serving = next(e for e in engines if standby_state(e.process.lines()) == "serving")
-        expected = self.expected() or serving.ask(self.prompts[0]).tokens
+        expected = reference or serving.ask(self.prompts[0]).tokens
         stream = self.stream(proxy.url, workers=2, pause_s=0.02).start()
         try:
             for index in range(takeovers):

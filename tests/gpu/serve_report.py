@@ -235,7 +235,8 @@ def _warm_checks(name: str, warm: dict[str, Any]) -> list[dict[str, Any]]:
             bool(takeovers) and all(t is not None for t in times),
         ),
         _check(
-            f"{name}: tokens equal the default loader's after every takeover",
+            f"{name}: tokens equal the {warm.get('reference', 'default loader')}'s after every "
+            "takeover",
             bool(takeovers) and all(t.get("tokens_equal") for t in takeovers),
         ),
     ]

@@ -1,22 +1,37 @@
 """Donated models in a real daemon: donated, leased, listed with their donor, checked by their
-checksums, unloaded, and kept across a daemon restart under a keeper."""
+checksums, unloaded, kept across a daemon restart under a keeper, counted in its metrics, and
+evicted (unleased only) when a load or another donation needs room."""
 
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine_client.attach import Attachment, attach
-from engine_client.client import ClientConfig
+from engine_client.client import ClientConfig, DaemonClient
+from engine_client.donations import donated_specs, offer_call
 from engine_client.verify import Expectations
-from harness.daemon_process import DaemonProcess, KeptDaemons, lease_body, start_daemon
+from harness.daemon_process import (
+    DaemonProcess,
+    KeptDaemons,
+    free_port,
+    lease_body,
+    start_daemon,
+    stop_keeper,
+)
 from harness.donating import donate_tensors, key_for, some_tensors
-from protocol.schemas.donated import DONATED_KERNEL
+from harness.waiting import wait_for
+from protocol.errors import WeightCacheError
+from protocol.schemas.donated import DONATED_KERNEL, DonationKey
+from protocol.schemas.donations import DonationOffer, DonationRequest
 
 
 @pytest.fixture
@@ -93,3 +108,182 @@ def test_a_donated_model_survives_a_restart_under_the_keeper(
         with _attach(second.url, model) as attachment:
             for name, tensor in tensors.items():
                 assert torch.equal(attachment.tensors[name], tensor)
+
+
+# --- metrics ----------------------------------------------------------------------------------
+
+
+def _samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample ``/metrics`` shows, by name and labels."""
+    text = httpx.get(f"{url}/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _offer(url: str, key: DonationKey) -> DonationOffer:
+    """An offer for :func:`some_tensors` under ``key``, left pending."""
+    request = DonationRequest(
+        key=key, tensors=donated_specs(some_tensors()), client_pid=os.getpid()
+    )
+    with DaemonClient(ClientConfig.from_env(url=url)) as client:
+        return client.send(offer_call(request))
+
+
+def test_donations_are_counted_and_donated_models_in_the_model_gauges(
+    daemon: DaemonProcess, tiny_fp8: Path
+) -> None:
+    model = donate_tensors(daemon.url, key_for(tiny_fp8))
+    with httpx.Client(base_url=daemon.url) as http:
+        again = http.post(
+            "/v1/donations",
+            json=DonationRequest(
+                key=key_for(tiny_fp8),
+                tensors=donated_specs(some_tensors()),
+                client_pid=os.getpid(),
+            ).model_dump(mode="json"),
+        )
+        assert again.status_code == 409
+        abandoned = _offer(daemon.url, key_for(tiny_fp8, max_model_len=512))
+        assert http.post(
+            f"/v1/donations/{abandoned.model}/abandon", json={"secret": abandoned.secret}
+        ).is_success
+        unloaded = _offer(daemon.url, key_for(tiny_fp8, max_model_len=1024))
+        assert http.delete(f"/v1/models/{unloaded.model}").status_code == 204
+        assert [d["model"] for d in http.get("/v1/donations").json()] == [model]
+        pending = _offer(daemon.url, key_for(tiny_fp8, max_model_len=2048))
+        held = http.get(f"/v1/models/{model}").json()["bytes_resident"]
+    assert held > 0
+    samples = _samples(daemon.url)
+    expected = {
+        ("weight_cache_donations_offered_total", ()): 4.0,
+        ("weight_cache_donations_committed_total", ()): 1.0,
+        ("weight_cache_donations_refused_total", (("code", "donation_exists"),)): 1.0,
+        ("weight_cache_donations_abandoned_total", (("why", "donor"),)): 1.0,
+        ("weight_cache_donations_abandoned_total", (("why", "unloaded"),)): 1.0,
+        ("weight_cache_donated_models", (("state", "ready"),)): 1.0,
+        ("weight_cache_donated_models", (("state", "loading"),)): 1.0,
+        ("weight_cache_donated_resident_bytes", ()): float(held),
+        # Counted with the daemon's own models: the demo model and the donated one are ready,
+        # the pending donation is loading.
+        ("weight_cache_models", (("state", "ready"),)): 2.0,
+        ("weight_cache_models", (("state", "loading"),)): 1.0,
+        ("weight_cache_resident_bytes", (("model", model),)): float(held),
+        ("weight_cache_resident_bytes", (("model", pending.model),)): 0.0,
+    }
+    assert {k: samples.get(k) for k in expected} == expected
+
+
+# --- eviction ---------------------------------------------------------------------------------
+
+DONATED_BYTES = 1 << 19  # one donation below: a 512 KiB tensor
+
+
+def _bare_daemon(tmp_path: Path, *extra: str, **options: Any) -> DaemonProcess:
+    """A daemon with no model of its own (not even its demo model): its memory is the
+    donations'. ``/ready`` waits for models, so only its answering is waited for."""
+    return start_daemon(tmp_path, [], "--model", "", *extra, wait_ready=False, **options)
+
+
+def _big(seed: int) -> dict[str, torch.Tensor]:
+    return {"layer.weight": torch.full((DONATED_BYTES // 2,), float(seed), dtype=torch.bfloat16)}
+
+
+def _models(url: str) -> dict[str, str]:
+    return {m["id"]: m["state"] for m in httpx.get(f"{url}/v1/models").json()}
+
+
+def _arena_files(shm: Path, model: str) -> list[Path]:
+    return [p for p in shm.rglob("*") if model in p.name]
+
+
+def test_an_unleased_donated_model_is_evicted_for_a_donation_a_leased_one_never(
+    tmp_path: Path, tiny_fp8: Path
+) -> None:
+    """Under a budget of one donation: the second evicts the first while nothing leases it,
+    and is refused while a lease does."""
+    daemon = _bare_daemon(tmp_path, "--memory-budget", str(DONATED_BYTES * 3 // 2))
+    try:
+        first = donate_tensors(daemon.url, key_for(tiny_fp8), _big(1))
+        assert _arena_files(tmp_path / "shm", first)
+        second_key = key_for(tiny_fp8, max_model_len=512)
+        with _attach(daemon.url, first) as attachment:
+            with pytest.raises(WeightCacheError) as refused:
+                donate_tensors(daemon.url, second_key, _big(2))
+            assert refused.value.code == "insufficient_memory"
+            assert _models(daemon.url) == {first: "ready"}
+            assert torch.equal(attachment.tensors["layer.weight"], _big(1)["layer.weight"])
+        second = donate_tensors(daemon.url, second_key, _big(2))
+        assert _models(daemon.url) == {second: "ready"}
+        assert [d["model"] for d in httpx.get(f"{daemon.url}/v1/donations").json()] == [second]
+        assert not _arena_files(tmp_path / "shm", first)
+        samples = _samples(daemon.url)
+        assert samples[("weight_cache_evictions_total", (("pressure", "memory_budget"),))] == 1
+        assert samples[("weight_cache_donated_resident_bytes", ())] == DONATED_BYTES
+        refusal = ("weight_cache_donations_refused_total", (("code", "insufficient_memory"),))
+        assert samples[refusal] == 1
+    finally:
+        daemon.stop()
+
+
+def test_the_least_recently_used_donated_model_goes_first(tmp_path: Path, tiny_fp8: Path) -> None:
+    daemon = _bare_daemon(tmp_path, "--memory-budget", str(DONATED_BYTES * 5 // 2))
+    try:
+        older = donate_tensors(daemon.url, key_for(tiny_fp8), _big(1))
+        newer = donate_tensors(daemon.url, key_for(tiny_fp8, max_model_len=512), _big(2))
+        with _attach(daemon.url, older):
+            pass  # leased and released: used after ``newer`` was donated
+        third = donate_tensors(daemon.url, key_for(tiny_fp8, max_model_len=1024), _big(3))
+        assert _models(daemon.url) == {older: "ready", third: "ready"}
+        assert newer not in _models(daemon.url)
+    finally:
+        daemon.stop()
+
+
+def test_a_load_at_the_model_cap_evicts_a_donated_model_never_a_loaded_one(
+    tmp_path: Path, tiny_fp8: Path, tiny_pc: Path
+) -> None:
+    daemon = _bare_daemon(tmp_path, "--max-models", "1", "--allowed-root", str(tiny_fp8.parent))
+    try:
+        donated = donate_tensors(daemon.url, key_for(tiny_fp8))
+        with httpx.Client(base_url=daemon.url) as http:
+            r = http.post("/v1/models", json={"path": str(tiny_fp8), "id": "tiny"})
+            assert r.status_code == 202, r.text
+            wait_for(lambda: _models(daemon.url) == {"tiny": "ready"})
+            # The cap is held by a model the daemon loaded: a donation is refused, not it.
+            with pytest.raises(WeightCacheError) as refused:
+                donate_tensors(daemon.url, key_for(tiny_pc))
+            assert refused.value.code == "too_many_models"
+            r = http.post("/v1/models", json={"path": str(tiny_pc), "id": "pc"})
+            assert r.status_code == 429 and r.json()["code"] == "too_many_models"
+        assert _models(daemon.url) == {"tiny": "ready"}
+        assert donated not in _models(daemon.url)
+        samples = _samples(daemon.url)
+        assert samples[("weight_cache_evictions_total", (("pressure", "max_models"),))] == 1
+    finally:
+        daemon.stop()
+
+
+def test_an_evicted_donated_model_is_gone_from_the_keeper(tmp_path: Path, tiny_fp8: Path) -> None:
+    """The keeper lets go of an evicted model: the next daemon adopts only the one held."""
+    port, run, shm = free_port(), tmp_path / "run", tmp_path / "shm"
+    budget = ("--memory-budget", str(DONATED_BYTES * 3 // 2))
+    first = _bare_daemon(tmp_path, *budget, port=port, run_dir=run, keeper="auto")
+    second: DaemonProcess | None = None
+    try:
+        evicted = donate_tensors(first.url, key_for(tiny_fp8), _big(1))
+        held = donate_tensors(first.url, key_for(tiny_fp8, max_model_len=512), _big(2))
+        assert _models(first.url) == {held: "ready"}
+        first.stop()
+        second = _bare_daemon(tmp_path, *budget, port=port, run_dir=run, keeper="auto")
+        assert _models(second.url) == {held: "ready"}
+        assert not _arena_files(shm, evicted)
+        with _attach(second.url, held) as attachment:
+            assert torch.equal(attachment.tensors["layer.weight"], _big(2)["layer.weight"])
+    finally:
+        first.stop(signal.SIGKILL)
+        if second is not None:
+            second.stop()
+        stop_keeper(run)

@@ -163,3 +163,29 @@ def test_a_scenario_that_fails_is_reported_and_leaves_the_gpu_to_the_next(tmp_pa
         assert not Path(f"/proc/{summary['runs'][name]['pid']}").exists()
     restart = summary["scenarios"]["daemon_restart"]
     assert restart["engine"] == "D1" and restart["account"]["failed"] == 0
+
+
+def test_a_call_without_restarts_still_compares_with_the_default_loader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The crowds alone: one engine of the default loader (R0) runs first, and every crowd
+    engine's tokens are judged against it; the engine a crowd starts beside (S0) runs at the
+    crowd's share, and its KV cache counts in what the engines fill."""
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
+    monkeypatch.setenv("WEIGHT_CACHE_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--root", str(tmp_path / "ckpt"), "--work", str(tmp_path / "w")]
+    argv += ["--scenarios", "crowd", "crowd_serving", "--keeper", "auto" if HAS_KEEPER else "unset"]
+    argv += ["--budget-s", "300", "--crowd", "2", "--crowd-utilization", "0.1"]
+    code = HarnessOnCpu(parse_args(argv)).main()
+
+    summary = json.loads((out / "summary.json").read_text())
+    reference = summary["runs"]["R0"]
+    assert reference["load_format"] == "auto" and reference["scenario"] == "reference"
+    assert list(summary["runs"]) == ["R0", "C1.1", "C1.2", "S0", "CS1", "CS2"]
+    beside = summary["scenarios"]["crowd_serving"]["runs"][0]
+    assert beside["answered"] == 2 and len(beside["kv_cache_gib"]) == 3  # S0's counted
+    checks = {c["check"]: c["ok"] for c in summary["checks"]}
+    for name in ("C1.1", "C1.2", "S0", "CS1", "CS2"):
+        assert checks[f"{name}: token ids equal the default loader's"]
+    assert code == 0, [c for c in summary["checks"] if not c["ok"]]

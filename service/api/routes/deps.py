@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import APIRouter, Depends, Request, Response, status
 from fastapi import Path as PathParam
 
+from protocol.schemas.models import MODEL_ID_PATTERN
 from service.api.auth import CALLER_KEY
+from service.api.problems import problem_responses
 from service.api.waits import Waits
 from service.daemon import Daemon
 from service.registry.lease_holders import Caller
@@ -40,3 +42,15 @@ CallerDep = Annotated[Caller, Depends(get_caller)]
 
 # A lease, parked engine or start-up slot ticket: ``<boot id>.<random>``.
 RegistrationId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]
+ModelId = Annotated[str, PathParam(pattern=MODEL_ID_PATTERN)]
+
+
+def caller_router(prefix: str, tag: str) -> APIRouter:
+    """A router whose every route names its caller, so each may answer 401 (no credentials),
+    403 (not this caller's) and 422 (a malformed request)."""
+    return APIRouter(prefix=prefix, tags=[tag], responses=problem_responses(401, 403, 422))
+
+
+def no_content() -> Response:
+    """The answer of a route that removes something: 204, no body."""
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

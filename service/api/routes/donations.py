@@ -6,10 +6,7 @@ check its checksum."""
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Response, status
-from fastapi import Path as PathParam
+from fastapi import Response, status
 
 from protocol.schemas.donations import (
     DonationAbandon,
@@ -18,14 +15,11 @@ from protocol.schemas.donations import (
     DonationOffer,
     DonationRequest,
 )
-from protocol.schemas.models import MODEL_ID_PATTERN, ModelInfo
+from protocol.schemas.models import ModelInfo
 from service.api.problems import problem_responses
-from service.api.routes.deps import CallerDep, DaemonDep
+from service.api.routes.deps import CallerDep, DaemonDep, ModelId, caller_router, no_content
 
-router = APIRouter(
-    prefix="/v1/donations", tags=["donations"], responses=problem_responses(401, 403, 422)
-)
-ModelId = Annotated[str, PathParam(pattern=MODEL_ID_PATTERN)]
+router = caller_router("/v1/donations", "donations")
 
 
 @router.get("", response_model=list[DonationInfo], summary="Donated models, pending or held")
@@ -66,4 +60,4 @@ def abandon(
     model_id: ModelId, body: DonationAbandon, daemon: DaemonDep, caller: CallerDep
 ) -> Response:
     daemon.donations.abandon(model_id, body.secret, caller)
-    return Response(status_code=status.HTTP_204_NO_CONTENT)
+    return no_content()

@@ -9,13 +9,13 @@ from __future__ import annotations
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Response, status
+from fastapi import Body, Response, status
 
 from protocol.schemas.leases import LeaseGrant, LeaseInfo, LeaseRequest, RenewRequest
 from service.api.problems import problem_responses
-from service.api.routes.deps import CallerDep, DaemonDep, RegistrationId
+from service.api.routes.deps import CallerDep, DaemonDep, RegistrationId, caller_router, no_content
 
-router = APIRouter(prefix="/v1/leases", tags=["leases"], responses=problem_responses(401, 403, 422))
+router = caller_router("/v1/leases", "leases")
 
 
 @router.post(
@@ -77,4 +77,4 @@ def renew(
 )
 def release(lease_id: RegistrationId, daemon: DaemonDep, caller: CallerDep) -> Response:
     daemon.desk.release(lease_id, caller)
-    return Response(status_code=status.HTTP_204_NO_CONTENT)
+    return no_content()

@@ -6,17 +6,14 @@ statting arena files and freeing gigabytes never stall the event loop."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
 
 from fastapi import APIRouter, Response, status
-from fastapi import Path as PathParam
 
-from protocol.schemas.models import MODEL_ID_PATTERN, LoadModelRequest, ModelInfo
+from protocol.schemas.models import LoadModelRequest, ModelInfo
 from service.api.problems import problem_responses
-from service.api.routes.deps import DaemonDep
+from service.api.routes.deps import DaemonDep, ModelId, no_content
 
 router = APIRouter(prefix="/v1/models", tags=["models"], responses=problem_responses(401, 422))
-ModelId = Annotated[str, PathParam(pattern=MODEL_ID_PATTERN)]
 
 
 @router.get("", response_model=list[ModelInfo], summary="Every model and its state")
@@ -52,4 +49,4 @@ def get_model(model_id: ModelId, daemon: DaemonDep) -> ModelInfo:
 )
 def unload_model(model_id: ModelId, daemon: DaemonDep) -> Response:
     daemon.unload(model_id)
-    return Response(status_code=status.HTTP_204_NO_CONTENT)
+    return no_content()

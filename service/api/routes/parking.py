@@ -13,10 +13,8 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Response, status
-from fastapi import Path as PathParam
+from fastapi import Query, Response, status
 
-from protocol.schemas.models import MODEL_ID_PATTERN
 from protocol.schemas.parking import (
     MAX_WAIT_S,
     ParkedEngine,
@@ -25,12 +23,17 @@ from protocol.schemas.parking import (
 )
 from protocol.schemas.tensor_parallel import MAX_TP_SIZE
 from service.api.problems import problem_responses
-from service.api.routes.deps import CallerDep, DaemonDep, RegistrationId, WaitsDep
-
-router = APIRouter(
-    prefix="/v1/parking", tags=["parking"], responses=problem_responses(401, 403, 422)
+from service.api.routes.deps import (
+    CallerDep,
+    DaemonDep,
+    ModelId,
+    RegistrationId,
+    WaitsDep,
+    caller_router,
+    no_content,
 )
-ModelId = Annotated[str, PathParam(pattern=MODEL_ID_PATTERN)]
+
+router = caller_router("/v1/parking", "parking")
 WaitS = Annotated[
     float,
     Query(ge=0, le=MAX_WAIT_S, description="answer once released or cancelled, or after this"),
@@ -86,7 +89,7 @@ async def get_parked(
 )
 def withdraw(parked_id: RegistrationId, daemon: DaemonDep, caller: CallerDep) -> Response:
     daemon.desk.withdraw(parked_id, caller)
-    return Response(status_code=status.HTTP_204_NO_CONTENT)
+    return no_content()
 
 
 @router.post(

@@ -9,16 +9,21 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Response, status
+from fastapi import Query, Response, status
 
 from protocol.schemas.parking import MAX_WAIT_S
 from protocol.schemas.startup_slots import SlotRequest, SlotState, SlotTicket
 from service.api.problems import problem_responses
-from service.api.routes.deps import CallerDep, DaemonDep, RegistrationId, WaitsDep
-
-router = APIRouter(
-    prefix="/v1/startup-slots", tags=["startup-slots"], responses=problem_responses(401, 403, 422)
+from service.api.routes.deps import (
+    CallerDep,
+    DaemonDep,
+    RegistrationId,
+    WaitsDep,
+    caller_router,
+    no_content,
 )
+
+router = caller_router("/v1/startup-slots", "startup-slots")
 WaitS = Annotated[
     float, Query(ge=0, le=MAX_WAIT_S, description="answer once the slot is held, or after this")
 ]
@@ -71,4 +76,4 @@ async def get_ticket(
 )
 def give_back(ticket_id: RegistrationId, daemon: DaemonDep, caller: CallerDep) -> Response:
     daemon.desk.give_back(ticket_id, caller)
-    return Response(status_code=status.HTTP_204_NO_CONTENT)
+    return no_content()

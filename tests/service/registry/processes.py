@@ -1,11 +1,17 @@
-"""A live process's start time, as the daemon records it for a holder it watches; the holder a
-caller proven as ``uid`` records for process ``pid``; the caps of a registry of waiting engines."""
+"""This test process and the daemon's own (trusted) user; a live process's start time, as the
+daemon records it for a holder it watches; the holder a caller proven as ``uid`` records for
+process ``pid``; the caps of a registry of waiting engines."""
 
 from __future__ import annotations
 
+import os
+
 from protocol.processes import process_status
-from service.registry.lease_holders import Holder
+from service.registry.lease_holders import Caller, Holder
 from service.registry.waiting_rules import WaitingCaps
+
+ME = os.getpid()
+OWNER = Caller.local()  # the daemon's own user: trusted
 
 
 def start_of(pid: int) -> int | None:

@@ -3,7 +3,6 @@ engine that ends, caps, expiry, and processes that go away."""
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
@@ -23,10 +22,7 @@ from protocol.schemas.parking import ParkRequest, ParkState, ReleaseCause
 from service.registry.lease_holders import Caller, Holder
 from service.registry.parking import Parked, ParkingLot
 from service.registry.waiting_rules import WaitingCaps
-from tests.service.registry.processes import caps, holder_of, start_of
-
-ME = os.getpid()
-OWNER = Caller.local()  # the daemon's own user: trusted
+from tests.service.registry.processes import ME, OWNER, caps, holder_of, start_of
 
 
 class Lot:

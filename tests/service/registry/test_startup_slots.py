@@ -3,7 +3,6 @@ together without deadlock, slots taken back from dead or stuck engines."""
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
@@ -21,10 +20,7 @@ from protocol.schemas.startup_slots import SlotRequest, SlotState
 from service.registry.lease_holders import Caller
 from service.registry.startup_slots import StartupSlots, Ticket
 from service.registry.waiting_rules import WaitingCaps
-from tests.service.registry.processes import caps, holder_of, start_of
-
-ME = os.getpid()
-OWNER = Caller.local()  # the daemon's own user: trusted
+from tests.service.registry.processes import ME, OWNER, caps, holder_of, start_of
 
 
 class Slots:
