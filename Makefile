@@ -17,10 +17,13 @@ VLLM_VENV ?= $(HOME)/.cache/weight-cache/vllm-$(VLLM_PIN)
 DEPLOY_VENV ?= .venv-deploy
 DEPLOY_STAMP := $(DEPLOY_VENV)/.installed
 
-.PHONY: help run test test-vllm lint format openapi settings-table bench clean deploy-tools images dist
+.PHONY: help run demo test test-vllm lint format openapi settings-table bench clean deploy-tools images dist
 
 help:
 	@echo "make run     create .venv, install the daemon, start it on the built-in demo model"
+	@echo "make demo    a vLLM 0.33 engine on this CPU attached to the demo model, then with"
+	@echo "             vLLM's default loader: both tokens and both model loads (DEMO_ARGS=--url URL"
+	@echo "             attaches through a running daemon instead of starting one)"
 	@echo "make test    create .venv, install test extras, run ruff, mypy and the whole suite"
 	@echo "             (vLLM tests run in $(VLLM_VENV), created on first use)"
 	@echo "make lint    ruff and mypy only"
@@ -99,6 +102,16 @@ test-vllm: $(VLLM_VENV)/.weight-cache-deps
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	PYTHONPATH="$(CURDIR)/tests/vllm/startup$${PYTHONPATH:+:$$PYTHONPATH}" VLLM_TARGET_DEVICE=cpu \
 		$(VLLM_VENV)/bin/python -m pytest tests/vllm
+
+# A real vLLM 0.33 engine on this machine's CPU, attached to the demo model, then with vLLM's
+# default loader: both token lists and both model loads (harness/engine_demo.py), on vLLM's CPU
+# platform as the vLLM tests run it (a plain AVX2 host, whatever this one has). Installs only
+# into $(VLLM_VENV), made as for `make test-vllm`.
+DEMO_ARGS ?=
+demo: $(VLLM_VENV)/.weight-cache-deps
+	@$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	@PYTHONPATH="$(CURDIR)/tests/vllm/startup:$(CURDIR)" VLLM_TARGET_DEVICE=cpu \
+		$(VLLM_VENV)/bin/python -m harness.engine_demo $(DEMO_ARGS)
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format protocol modelopt_fp8 service engine_client weight_cache_cli harness tests bench

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 from collections.abc import Iterator
 
 from protocol.errors import (
@@ -29,6 +30,7 @@ log = get_logger(__name__)
 # Fallbacks by reason in this process; Prometheus reads them where its client is installed.
 FALLBACKS: collections.Counter[str] = collections.Counter()  # keys are Reason members
 PROMETHEUS_NAME = "weight_cache_engine_fallbacks"  # exposed as ..._total{reason}
+FALLING_BACK = "falling back to vLLM's default loader"  # what an engine does, as logged
 
 
 def _export_to_prometheus() -> None:
@@ -115,3 +117,19 @@ def fall_back_or_raise(exc: Exception, fallback: bool, action: str) -> Reason:
     if error is exc:
         raise exc
     raise error from exc
+
+
+@contextlib.contextmanager
+def own_failure_after(reason: Reason) -> Iterator[None]:
+    """Around vLLM's own load after a fallback: run it outside the ``except`` that caught why
+    attaching failed, so its failure is its own, never chained onto the daemon's error (which
+    would have a reader blame the daemon); this adds a last line naming the fallback."""
+    try:
+        yield
+    except Exception as exc:
+        if sys.version_info >= (3, 11):  # vLLM 0.33 runs on 3.11 and later
+            exc.add_note(
+                f"weight-cache had fallen back to vLLM's default loader ({reason}); this error "
+                "is that loader's own"
+            )
+        raise

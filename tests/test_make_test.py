@@ -16,8 +16,8 @@ SYSTEM_INSTALLERS = re.compile(r"\b(apt-get|apt|aptitude|dpkg|yum|dnf|apk|zypper
 PIP_INSTALL = re.compile(r"(\S+?)(?: -m pip|/pip) install")
 
 
-def _dry_run(tmp_path: Path, *variables: str) -> list[str]:
-    """The commands of `make test` from scratch, into environments under ``tmp_path``."""
+def _dry_run(tmp_path: Path, *variables: str, target: str = "test") -> list[str]:
+    """The commands of `make TARGET` from scratch, into environments under ``tmp_path``."""
     make = shutil.which("make")
     assert make, "make runs the tests"
     environments = [
@@ -26,7 +26,7 @@ def _dry_run(tmp_path: Path, *variables: str) -> list[str]:
         f"DEPLOY_VENV={tmp_path}/deploy",
     ]
     out = subprocess.run(
-        [make, "-n", "-B", "test", *environments, *variables],
+        [make, "-n", "-B", target, *environments, *variables],
         cwd=ROOT,
         # not the flags of a `make test` this runs under
         env={k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")},
@@ -65,3 +65,20 @@ def test_without_such_a_python_the_vllm_tests_are_skipped(tmp_path: Path) -> Non
     lines = _dry_run(tmp_path, "VLLM_PYTHON=")
     assert not any("vllm==0.33.0" in line or "tests/vllm" in line for line in lines)
     assert "vLLM 0.33 needs Python 3.11 to 3.14 and there is none (set VLLM_PYTHON):" in lines
+
+
+def test_make_demo_installs_only_into_the_vllm_environment_and_runs_the_demo(
+    tmp_path: Path,
+) -> None:
+    """`make demo` on a fresh machine: the vLLM environment made as for the vLLM tests, nothing
+    installed elsewhere, and the demo run on vLLM's CPU platform with the tests' view of the host
+    CPU (tests/vllm/test_engine_demo.py runs that command)."""
+    lines = _dry_run(tmp_path, target="demo")
+    assert [line for line in lines if SYSTEM_INSTALLERS.search(line)] == []
+    installers = [m.group(1) for line in lines for m in PIP_INSTALL.finditer(line)]
+    assert installers and all(Path(i).is_relative_to(tmp_path / "vllm" / "bin") for i in installers)
+    assert any("vllm==0.33.0" in line for line in lines)
+    commands = "\n".join(lines).replace("\\\n", " ").splitlines()  # continued lines joined
+    (run,) = [command for command in commands if "-m harness.engine_demo" in command]
+    assert f'PYTHONPATH="{ROOT}/tests/vllm/startup:{ROOT}"' in run
+    assert "VLLM_TARGET_DEVICE=cpu" in run and f"{tmp_path}/vllm/bin/python" in run

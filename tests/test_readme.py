@@ -63,7 +63,7 @@ def test_the_lead_quotes_figures_of_two_runs_with_their_card() -> None:
 def test_every_make_target_and_command_it_names_exists() -> None:
     makefile = (ROOT / "Makefile").read_text()
     targets = set(re.findall(r"^([a-z-]+):", makefile, re.M))
-    for target in set(re.findall(r"`make ([a-z-]+)", README)) | {"run", "test", "dist"}:
+    for target in set(re.findall(r"`make ([a-z-]+)", README)) | {"run", "demo", "test", "dist"}:
         assert target in targets, target
     for line in re.findall(r"(?:`|\.venv/bin/)weight-cache ([a-z-]+[^\n`'\"]*)", README):
         name, *words = line.split()

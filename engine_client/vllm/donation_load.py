@@ -28,7 +28,7 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from engine_client.attach import Attachment, attach
 from engine_client.client import ClientConfig
 from engine_client.donations import Found, donate, find_donation
-from engine_client.fallback import record_fallback
+from engine_client.fallback import own_failure_after, record_fallback
 from engine_client.loader_options import LoaderOptions
 from engine_client.verify import Expectations
 from engine_client.vllm.donated import bind_donated, capture, donation_key, processed_load
@@ -124,8 +124,10 @@ def _bound(
     return attachment
 
 
-def attach_or_donate(load: LoadInputs) -> DonatedLoad:
-    """Attach to this rank's donated model, else load and donate it (see the module)."""
+def attach_or_donate(load: LoadInputs, fallback: bool) -> DonatedLoad:
+    """Attach to this rank's donated model, else load and donate it (see the module); where the
+    daemon cannot be asked (down, say), load without donating and say why (with ``fallback``
+    off, raise why)."""
     checkpoint = local_checkpoint(load.model_config)
     rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     try:
@@ -139,12 +141,29 @@ def attach_or_donate(load: LoadInputs) -> DonatedLoad:
             if found.model is None:
                 raise _NoDonation(key, found)
             attachment = _bound(model, load.config, found.model, load.device, key)
-    except _NoDonation as missing:
-        return _load_and_donate(load, missing)
-    log.info(
-        "weight-cache: attached donated model %s (%d tensors)", found.model, len(attachment.tensors)
-    )
-    return DonatedLoad(model, attachment)
+    except _NoDonation as no_donation:
+        missing: _NoDonation | WeightCacheError = no_donation.with_traceback(None)
+    except WeightCacheError as exc:
+        missing = exc.with_traceback(None)
+    else:
+        log.info(
+            "weight-cache: attached donated model %s (%d tensors)",
+            found.model,
+            len(attachment.tensors),
+        )
+        return DonatedLoad(model, attachment)
+    # Outside the ``except``: what vLLM's own load raises is not chained onto why there was no
+    # donation to attach.
+    if isinstance(missing, WeightCacheError):
+        if not fallback:
+            raise missing
+        reason = record_fallback(missing, "serving its own load")
+        with own_failure_after(reason):
+            model, _ = processed_load(
+                load.create_model, load.load_weights, load.model_config, load.device
+            )
+        return DonatedLoad(model, None, reason=reason, error=missing)
+    return _load_and_donate(load, missing)
 
 
 def _load_and_donate(load: LoadInputs, missing: _NoDonation) -> DonatedLoad:

@@ -23,7 +23,6 @@ daemon releases this engine), ``park_timeout``, ``startup_slot_timeout``
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +36,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from engine_client.attach import Attachment
 from engine_client.client import ClientConfig
-from engine_client.fallback import fall_back_or_raise
+from engine_client.fallback import FALLING_BACK, fall_back_or_raise, own_failure_after
 from engine_client.loader_options import LoaderOptions
 from engine_client.vllm.donation_load import LoadInputs, attach_or_donate, donates
 from engine_client.vllm.engine_start import (
@@ -151,14 +150,15 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
         try:
             model = self._attach_model(vllm_config, model_config, prefix)
         except Exception as exc:
-            if donates(exc, self.options):
-                return self._donated(vllm_config, model_config, prefix)
-            reason = fall_back_or_raise(
-                exc, self.options.fallback, "falling back to vLLM's default loader"
-            )
+            reason = None  # a checkpoint the daemon does not process: the donated way
+            if not donates(exc, self.options):
+                reason = fall_back_or_raise(exc, self.options.fallback, FALLING_BACK)
         else:
             self._log_attached(start)
             return model
+        # Outside the ``except``: what vLLM's own load raises is not chained onto ``exc``.
+        if reason is None:
+            return self._donated(vllm_config, model_config, prefix)
         self.fallback_reason = reason
         return self._fall_back(vllm_config, model_config, prefix, reason)
 
@@ -174,7 +174,8 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
                     lambda model: self._default().load_weights(model, model_config),
                     self.options.client_config(),
                     target_device(vllm_config),
-                )
+                ),
+                self.options.fallback,
             )
         self.attachment, self.donated, self.fallback_reason = (
             done.attachment,
@@ -188,18 +189,9 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
     def _fall_back(
         self, vllm_config: Any, model_config: Any, prefix: str, reason: Reason
     ) -> nn.Module:
-        """vLLM's default load, run outside the ``except`` that caught why attaching failed:
-        a failure of vLLM's own load is its own, never chained onto the daemon's error (which
-        would have a reader blame the daemon), and it names the fallback that led to it."""
-        try:
+        """vLLM's default load; its failure is its own and names the fallback that led to it."""
+        with own_failure_after(reason):
             fallback: nn.Module = self._default().load_model(vllm_config, model_config, prefix)
-        except Exception as exc:
-            if sys.version_info >= (3, 11):  # vLLM 0.33 runs on 3.11 and later
-                exc.add_note(
-                    f"weight-cache had fallen back to vLLM's default loader ({reason}); this "
-                    "error is that loader's own"
-                )
-            raise
         return fallback
 
     def _log_attached(self, start: float) -> None:

@@ -109,6 +109,51 @@ def test_donor_and_attacher_equal_the_default_loader(
     attacher_loader.attachment.close()
 
 
+def test_with_the_daemon_down_an_engine_loads_its_own(checkpoints: dict[str, Path]) -> None:
+    """No daemon to ask for a donation: the engine loads what vLLM's default loader loads and
+    says why it does not share; with ``fallback`` off it raises why instead."""
+    from protocol.errors import DaemonUnavailableError
+
+    checkpoint = checkpoints["llama"]
+    _, default = _load(checkpoint, "auto")
+    expected = model_state(default)
+    del default
+    url = f"http://127.0.0.1:{free_port()}"
+    loader, model = _load(checkpoint, "weight_cache", url, fallback=True)
+    assert loader.fallback_reason == Reason.daemon_unavailable
+    assert loader.attachment is None and loader.donated is None
+    assert expected.differences(model_state(model)) == []
+    with pytest.raises(DaemonUnavailableError):
+        _load(checkpoint, "weight_cache", url)
+
+
+def test_a_failure_of_vllms_own_load_is_not_chained_onto_the_daemons_error(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's own load failing after the daemon could not be asked: its error is raised as it
+    is, not chained onto the daemon's (nor onto the checkpoint not being a ModelOpt export),
+    and its last line names the fallback."""
+    import traceback
+
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    def fails(self: Any, model: Any, model_config: Any) -> None:
+        raise RuntimeError("vLLM's own load stopped")
+
+    monkeypatch.setattr(DefaultModelLoader, "load_weights", fails)
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(RuntimeError, match="own load stopped") as raised:
+        _load(checkpoints["llama"], "weight_cache", url, fallback=True)
+    error = raised.value
+    assert error.__cause__ is None and error.__context__ is None
+    printed = "".join(traceback.format_exception(error))
+    assert "DaemonUnavailableError" not in printed and "NotModelOpt" not in printed
+    assert printed.rstrip().splitlines()[-1] == (
+        "weight-cache had fallen back to vLLM's default loader (daemon_unavailable); this "
+        "error is that loader's own"
+    )
+
+
 def test_the_comparison_sees_one_attribute(checkpoints: dict[str, Path]) -> None:
     """The state compared is not blind to a plain attribute processing set on one layer."""
     _, model = _load(checkpoints["llama"], "auto")

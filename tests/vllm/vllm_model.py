@@ -9,6 +9,10 @@ from typing import Any
 
 import torch
 
+from harness.vllm_cpu import cutlass_kernel_on_cpu
+
+__all__ = ["build", "configs", "cutlass_kernel_on_cpu", "vllm_world"]
+
 
 @contextlib.contextmanager
 def vllm_world(tp_size: int = 1, rank: int = 0, port: int = 29600) -> Iterator[None]:
@@ -81,28 +85,3 @@ def build(vllm_config: Any, model_config: Any, device: str = "cpu") -> torch.nn.
             vllm_config=vllm_config, model_config=model_config
         )
     return model
-
-
-@contextlib.contextmanager
-def cutlass_kernel_on_cpu() -> Iterator[None]:
-    """Make vLLM's CPU platform pick the CUTLASS FP8 kernel, as it does on Hopper.
-
-    Which FP8 kernel vLLM's CPU platform selects depends on the host CPU; pinning the one the
-    daemon processes for makes the comparison the same on every machine. Its post-load
-    processing (transpose, pad, logical width) is plain torch, so it runs here; its GEMM is
-    never called.
-    """
-    from vllm.model_executor.kernels import linear
-    from vllm.model_executor.kernels.linear.scaled_mm import cutlass
-    from vllm.platforms import PlatformEnum
-
-    saved_kernels = linear._POSSIBLE_FP8_KERNELS.get(PlatformEnum.CPU)
-    saved_supported = cutlass.cutlass_fp8_supported
-    linear._POSSIBLE_FP8_KERNELS[PlatformEnum.CPU] = [cutlass.CutlassFP8ScaledMMLinearKernel]
-    cutlass.cutlass_fp8_supported = lambda: True
-    try:
-        yield
-    finally:
-        cutlass.cutlass_fp8_supported = saved_supported
-        if saved_kernels is not None:
-            linear._POSSIBLE_FP8_KERNELS[PlatformEnum.CPU] = saved_kernels
