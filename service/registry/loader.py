@@ -35,8 +35,8 @@ from protocol.schemas.manifest import (
     TensorEntry,
 )
 from protocol.version import PROTOCOL_VERSION, __version__
-from service.memory.arena import Arena, ShmArena, VmmArena, allocate_arena
-from service.memory.digest import arena_digest
+from service.memory.arena import Arena, ShmArena, allocate_arena
+from service.memory.digest import kept_digest
 from service.memory.layout import pack
 from service.memory.shm import ArenaDir
 
@@ -141,24 +141,30 @@ def _destinations(arena: Arena) -> Iterator[StorageFor]:
 def _check_budget(req: LoadRequest, needed: int) -> None:
     req.reserve(needed)
     for placement in set(req.placements):
-        if placement.kind is DeviceKind.cuda:
-            assert placement.index is not None
-            free, _ = torch.cuda.mem_get_info(placement.index)
-            share = needed * req.placements.count(placement) // len(req.placements)
-            if share > free:
-                raise InsufficientMemoryError(
-                    f"model needs {share} bytes on GPU {placement.index}, {free} free",
-                    needed=share,
-                    available=free,
-                )
-        elif req.arena_dir is not None:
-            free = shutil.disk_usage(req.arena_dir.path).free
-            if needed > free:
-                raise InsufficientMemoryError(
-                    f"model needs {needed} bytes of shared memory, {req.arena_dir.path} has {free}",
-                    needed=needed,
-                    available=free,
-                )
+        share = needed * req.placements.count(placement) // len(req.placements)
+        check_room(placement, share if placement.kind is DeviceKind.cuda else needed, req.arena_dir)
+
+
+def check_room(placement: Placement, needed: int, arena_dir: ArenaDir | None) -> None:
+    """Refuse ``needed`` more bytes of arena where ``placement`` puts them when the GPU, or
+    the shared-memory directory, has not that much free."""
+    if placement.kind is DeviceKind.cuda:
+        assert placement.index is not None
+        free, _ = torch.cuda.mem_get_info(placement.index)
+        if needed > free:
+            raise InsufficientMemoryError(
+                f"model needs {needed} bytes on GPU {placement.index}, {free} free",
+                needed=needed,
+                available=free,
+            )
+    elif arena_dir is not None:
+        free = shutil.disk_usage(arena_dir.path).free
+        if needed > free:
+            raise InsufficientMemoryError(
+                f"model needs {needed} bytes of shared memory, {arena_dir.path} has {free}",
+                needed=needed,
+                available=free,
+            )
 
 
 def _manifest(
@@ -287,11 +293,7 @@ def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
         identity = _with_full_digest(ckpt, identity, run)
         req.opened(identity)
         return [
-            ResidentRank(
-                arena,
-                _manifest(req, identity, plan, arena, sums),
-                arena_digest(arena.base) if isinstance(arena, VmmArena) else None,
-            )
+            ResidentRank(arena, _manifest(req, identity, plan, arena, sums), kept_digest(arena))
             for plan, arena, sums in zip(plans, arenas, checksums, strict=True)
         ]
     except BaseException:
