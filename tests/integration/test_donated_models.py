@@ -1,9 +1,14 @@
 """Donated models in a real daemon: donated, leased, listed with their donor, checked by their
-checksums, unloaded, and kept across a daemon restart under a keeper."""
+checksums, unloaded, and kept across a daemon restart under a keeper; the pending arena passed
+to its donor alone, read-write, by the handle socket; a GPU donation refused, typed, by a daemon
+that holds no arena on that GPU."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,12 +16,39 @@ import httpx
 import pytest
 import torch
 
+from engine_client.arenas import open_arena
 from engine_client.attach import Attachment, attach
-from engine_client.client import ClientConfig
+from engine_client.client import ClientConfig, DaemonClient
+from engine_client.donations import abandon_call, donated_specs, offer_call
 from engine_client.verify import Expectations
 from harness.daemon_process import DaemonProcess, KeptDaemons, lease_body, start_daemon
 from harness.donating import donate_tensors, key_for, some_tensors
+from protocol.errors import DonationDeviceError, HandleRefusedError
+from protocol.handle_socket import fetch_arena_fd
 from protocol.schemas.donated import DONATED_KERNEL
+from protocol.schemas.donations import DonationRequest
+from protocol.schemas.manifest import ArenaDescriptor, HandleAccess, ShmHandle
+
+GPU = {
+    "device_kind": "cuda",
+    "device_name": "NVIDIA H100 80GB HBM3",
+    "compute_capability": "9.0",
+    "device_uuid": "GPU-00000000-1111-2222-3333-444444444444",
+}
+# Asks the handle socket for a pending donation's arena from another process of the same user.
+PRESENT = """
+import json, os, sys
+from protocol.errors import WeightCacheError
+from protocol.handle_socket import fetch_arena_fd
+from protocol.schemas.manifest import HandleAccess
+try:
+    fd, size = fetch_arena_fd(HandleAccess.model_validate_json(sys.argv[1]), sys.argv[2], 0)
+except WeightCacheError as exc:
+    print(json.dumps({"code": exc.code, "why": exc.extra.get("why")}))
+else:
+    os.close(fd)
+    print(json.dumps({"size": size}))
+"""
 
 
 @pytest.fixture
@@ -93,3 +125,70 @@ def test_a_donated_model_survives_a_restart_under_the_keeper(
         with _attach(second.url, model) as attachment:
             for name, tensor in tensors.items():
                 assert torch.equal(attachment.tensors[name], tensor)
+
+
+def test_a_pending_arena_goes_to_its_donor_alone_read_write(
+    daemon: DaemonProcess, tiny_fp8: Path
+) -> None:
+    """The donor maps the arena it is offered read-write through the handle socket (as a GPU
+    donor maps a shareable allocation); a wrong secret, another process with the secret, and
+    anyone once the donation is gone are refused."""
+    tensors = some_tensors()
+    request = DonationRequest(
+        key=key_for(tiny_fp8), tensors=donated_specs(tensors), client_pid=os.getpid()
+    )
+    config = ClientConfig.from_env(url=daemon.url)
+    with DaemonClient(config) as client:
+        offer = client.send(offer_call(request))
+    handle = offer.handle
+    assert isinstance(handle, ShmHandle) and handle.access is not None
+    access: HandleAccess = handle.access
+    descriptor = ArenaDescriptor(index=0, nbytes=offer.nbytes, handle=handle)
+    opened = open_arena(descriptor, offer.model, writable=True)
+    assert opened.base is not None
+    assert opened.via == "descriptor" and not opened.read_only
+    opened.base[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    opened.close()
+
+    with pytest.raises(HandleRefusedError) as err:
+        fetch_arena_fd(access.model_copy(update={"secret": "x" * 32}), offer.model, 0)
+    assert err.value.extra["why"] == "the secret is not this lease's"
+    neighbour = subprocess.run(
+        [sys.executable, "-c", PRESENT, access.model_dump_json(), offer.model],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    answer = json.loads(neighbour.stdout.strip().splitlines()[-1])
+    assert answer["code"] == "handle_refused" and "is not the lease's holder" in answer["why"]
+
+    with DaemonClient(config) as client:
+        client.send(abandon_call(offer.model, offer.secret))
+    with pytest.raises(HandleRefusedError):  # no pending donation by that id any more
+        fetch_arena_fd(access, offer.model, 0)
+
+
+def test_a_gpu_donation_is_refused_by_a_daemon_on_the_cpu(
+    daemon: DaemonProcess, tiny_fp8: Path
+) -> None:
+    """A key of a GPU asks for an arena on that GPU: a daemon on the CPU refuses it, typed and
+    with its hint, and registers nothing."""
+    with pytest.raises(DonationDeviceError) as err:
+        donate_tensors(daemon.url, key_for(tiny_fp8, **GPU))
+    assert "host shared memory only" in err.value.detail
+    assert err.value.extra["device"] == GPU["device_uuid"]
+    with httpx.Client(base_url=daemon.url) as http:
+        assert http.get("/v1/donations").json() == []
+        assert not [m for m in http.get("/v1/models").json() if m["donor"]]
+        refused = http.post(
+            "/v1/donations",
+            json=DonationRequest(
+                key=key_for(tiny_fp8, **GPU),
+                tensors=donated_specs(some_tensors()),
+                client_pid=os.getpid(),
+            ).model_dump(mode="json"),
+        )
+    assert refused.status_code == 409 and refused.json()["code"] == "donation_device"
+    assert refused.json()["hint"] == DonationDeviceError.hint
