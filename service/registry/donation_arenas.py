@@ -18,6 +18,7 @@ from protocol.schemas.donated import DonationKey
 from protocol.schemas.manifest import ArenaHandle, DeviceKind, HandleAccess
 from service.memory.arena import Arena, VmmArena, allocate_arena
 from service.memory.devices import places_on_gpu
+from service.memory.digest import kept_digest
 from service.memory.layout import ArenaLayout
 from service.memory.shm import ArenaDir
 from service.registry.loader import check_room
@@ -83,6 +84,15 @@ class DonationArenas:
         return allocate_arena(
             layout, placement, self.arena_dir(), self.boot_id, label, self.cuda_handles
         )
+
+    def digest(self, arena: Arena) -> str | None:
+        """What a new daemon checks when it adopts ``arena`` from the keeper
+        (:func:`~service.memory.digest.kept_digest`), taken once the donor wrote it; on a GPU
+        its scratch given back, so that the daemon's footprint stays its arenas."""
+        digest = kept_digest(arena)
+        if isinstance(arena, VmmArena):
+            torch.cuda.empty_cache()
+        return digest
 
     def handle(self, arena: Arena, secret: str) -> ArenaHandle:
         """What the offer names: ``arena`` and the handle socket its donor asks with

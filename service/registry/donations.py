@@ -56,7 +56,6 @@ from protocol.schemas.manifest import (
 )
 from protocol.schemas.models import ModelState
 from service.memory.arena import Arena
-from service.memory.digest import kept_digest
 from service.memory.layout import ArenaLayout, pack
 from service.registry.donation_arenas import DonationArenas
 from service.registry.lease_holders import Caller, Holder, prove_holder, trusted_uids
@@ -160,16 +159,19 @@ class Donations:
                     model=model_id,
                 )
             self.models.add_donated(record, layout.nbytes)
+        secret = secrets.token_hex(16)
+        arena: Arena | None = None
         try:
             arena = self.arenas.allocate(layout, placement, model_id)
+            handle = self.arenas.handle(arena, secret)
         except BaseException:
             with self.lock:
                 self.models.remove_donated(record)
+            if arena is not None:
+                arena.release()
             raise
         sizes = {t.name: t.nbytes for t in req.tensors}
-        pending = Pending(
-            record, arena, layout, sizes, secrets.token_hex(16), req.key, donor, holder
-        )
+        pending = Pending(record, arena, layout, sizes, secret, req.key, donor, holder)
         with self.lock:
             self.pending[model_id] = pending
         log.info(
@@ -182,7 +184,7 @@ class Donations:
         return DonationOffer(
             model=model_id,
             secret=pending.secret,
-            handle=self.arenas.handle(arena, pending.secret),
+            handle=handle,
             offsets=layout.offsets,
             nbytes=layout.nbytes,
         )
@@ -212,7 +214,7 @@ class Donations:
             manifest = self._manifest(
                 pending, entries, Donated(key=pending.key, state=body.state, donor=pending.donor)
             )
-            rank = ResidentRank(pending.arena, manifest, kept_digest(pending.arena))
+            rank = ResidentRank(pending.arena, manifest, self.arenas.digest(pending.arena))
             self.models.publish_donated(pending.record, [rank])
         except BaseException:
             self._drop(pending)
