@@ -43,6 +43,15 @@ def key_for(checkpoint: Path, **over: Any) -> DonationKey:
     return DonationKey(**fields)
 
 
+# A key's device fields for a GPU no host has (its UUID is made up): a daemon refuses it.
+ABSENT_GPU: dict[str, Any] = {
+    "device_kind": "cuda",
+    "device_name": "NVIDIA H100 80GB HBM3",
+    "compute_capability": "9.0",
+    "device_uuid": "GPU-00000000-1111-2222-3333-444444444444",
+}
+
+
 def gpu_fields(index: int = 0) -> dict[str, Any]:
     """A key's device fields for this process's GPU ``index``, as an engine there makes them."""
     gpu = Placement(DeviceKind.cuda, index).identity()

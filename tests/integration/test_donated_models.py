@@ -5,10 +5,7 @@ that holds no arena on that GPU."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,33 +19,13 @@ from engine_client.client import ClientConfig, DaemonClient
 from engine_client.donations import abandon_call, donated_specs, offer_call
 from engine_client.verify import Expectations
 from harness.daemon_process import DaemonProcess, KeptDaemons, lease_body, start_daemon
-from harness.donating import donate_tensors, key_for, some_tensors
+from harness.donating import ABSENT_GPU, donate_tensors, key_for, some_tensors
+from harness.hostile.handle_holder import present_elsewhere
 from protocol.errors import DonationDeviceError, HandleRefusedError
 from protocol.handle_socket import fetch_arena_fd
 from protocol.schemas.donated import DONATED_KERNEL
 from protocol.schemas.donations import DonationRequest
 from protocol.schemas.manifest import ArenaDescriptor, HandleAccess, ShmHandle
-
-GPU = {
-    "device_kind": "cuda",
-    "device_name": "NVIDIA H100 80GB HBM3",
-    "compute_capability": "9.0",
-    "device_uuid": "GPU-00000000-1111-2222-3333-444444444444",
-}
-# Asks the handle socket for a pending donation's arena from another process of the same user.
-PRESENT = """
-import json, os, sys
-from protocol.errors import WeightCacheError
-from protocol.handle_socket import fetch_arena_fd
-from protocol.schemas.manifest import HandleAccess
-try:
-    fd, size = fetch_arena_fd(HandleAccess.model_validate_json(sys.argv[1]), sys.argv[2], 0)
-except WeightCacheError as exc:
-    print(json.dumps({"code": exc.code, "why": exc.extra.get("why")}))
-else:
-    os.close(fd)
-    print(json.dumps({"size": size}))
-"""
 
 
 @pytest.fixture
@@ -153,16 +130,8 @@ def test_a_pending_arena_goes_to_its_donor_alone_read_write(
     with pytest.raises(HandleRefusedError) as err:
         fetch_arena_fd(access.model_copy(update={"secret": "x" * 32}), offer.model, 0)
     assert err.value.extra["why"] == "the secret is not this lease's"
-    neighbour = subprocess.run(
-        [sys.executable, "-c", PRESENT, access.model_dump_json(), offer.model],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    answer = json.loads(neighbour.stdout.strip().splitlines()[-1])
-    assert answer["code"] == "handle_refused" and "is not the lease's holder" in answer["why"]
+    answer = present_elsewhere(access, offer.model)
+    assert answer["code"] == "handle_refused" and "is not the lease's holder" in str(answer["why"])
 
     with DaemonClient(config) as client:
         client.send(abandon_call(offer.model, offer.secret))
@@ -176,16 +145,16 @@ def test_a_gpu_donation_is_refused_by_a_daemon_on_the_cpu(
     """A key of a GPU asks for an arena on that GPU: a daemon on the CPU refuses it, typed and
     with its hint, and registers nothing."""
     with pytest.raises(DonationDeviceError) as err:
-        donate_tensors(daemon.url, key_for(tiny_fp8, **GPU))
+        donate_tensors(daemon.url, key_for(tiny_fp8, **ABSENT_GPU))
     assert "host shared memory only" in err.value.detail
-    assert err.value.extra["device"] == GPU["device_uuid"]
+    assert err.value.extra["device"] == ABSENT_GPU["device_uuid"]
     with httpx.Client(base_url=daemon.url) as http:
         assert http.get("/v1/donations").json() == []
         assert not [m for m in http.get("/v1/models").json() if m["donor"]]
         refused = http.post(
             "/v1/donations",
             json=DonationRequest(
-                key=key_for(tiny_fp8, **GPU),
+                key=key_for(tiny_fp8, **ABSENT_GPU),
                 tensors=donated_specs(some_tensors()),
                 client_pid=os.getpid(),
             ).model_dump(mode="json"),

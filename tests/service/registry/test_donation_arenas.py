@@ -9,20 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.donating import key_for
+from harness.donating import ABSENT_GPU, key_for
 from protocol.devices import Placement
 from protocol.errors import DonationDeviceError
 from protocol.schemas.donated import DonationKey
 from protocol.schemas.manifest import DeviceKind, HandleAccess
 from service.memory.devices import places_on_gpu
 from service.registry.donation_arenas import DonationArenas, gpu_placement
-
-GPU = {
-    "device_kind": "cuda",
-    "device_name": "NVIDIA H100 80GB HBM3",
-    "compute_capability": "9.0",
-    "device_uuid": "GPU-00000000-1111-2222-3333-444444444444",
-}
 
 
 def _arenas(device: str, cuda_handles: str = "fd") -> DonationArenas:
@@ -33,14 +26,16 @@ def _arenas(device: str, cuda_handles: str = "fd") -> DonationArenas:
 
 
 def test_a_key_names_its_gpu_and_only_a_gpu_key_does(tiny_fp8: Path) -> None:
-    assert key_for(tiny_fp8, **GPU).device_uuid == GPU["device_uuid"]
+    assert key_for(tiny_fp8, **ABSENT_GPU).device_uuid == ABSENT_GPU["device_uuid"]
     with pytest.raises(ValueError, match="device_uuid"):
-        key_for(tiny_fp8, **{**GPU, "device_uuid": None})
+        key_for(tiny_fp8, **{**ABSENT_GPU, "device_uuid": None})
     with pytest.raises(ValueError, match="device_uuid"):
-        key_for(tiny_fp8, device_uuid=GPU["device_uuid"])  # a CPU key
+        key_for(tiny_fp8, device_uuid=ABSENT_GPU["device_uuid"])  # a CPU key
     # The GPU is compared: the same rank on another GPU is another donated model.
-    other = key_for(tiny_fp8, **{**GPU, "device_uuid": "GPU-ffffffff-1111-2222-3333-444444444444"})
-    assert key_for(tiny_fp8, **GPU).differences(other) == ["device_uuid"]
+    other = key_for(
+        tiny_fp8, **{**ABSENT_GPU, "device_uuid": "GPU-ffffffff-1111-2222-3333-444444444444"}
+    )
+    assert key_for(tiny_fp8, **ABSENT_GPU).differences(other) == ["device_uuid"]
     assert DonationKey.model_validate_json(other.model_dump_json()) == other
 
 
@@ -69,8 +64,8 @@ def test_a_gpu_key_is_refused_where_the_daemon_holds_no_arena_there(
     with pytest.raises(
         DonationDeviceError, match=why.replace("(", r"\(").replace(")", r"\)")
     ) as err:
-        gpu_placement(key_for(tiny_fp8, **GPU), device, cuda_handles)
-    assert err.value.extra["device"] == GPU["device_uuid"]
+        gpu_placement(key_for(tiny_fp8, **ABSENT_GPU), device, cuda_handles)
+    assert err.value.extra["device"] == ABSENT_GPU["device_uuid"]
     assert err.value.status == 409 and "--cuda-handles fd" in err.value.hint
 
 
@@ -78,4 +73,4 @@ def test_a_gpu_key_is_refused_where_the_daemon_holds_no_arena_there(
 @pytest.mark.parametrize("device", ["auto", "cuda"])
 def test_a_gpu_key_is_refused_on_a_host_without_gpus(tiny_fp8: Path, device: str) -> None:
     with pytest.raises(DonationDeviceError, match="host shared memory only"):
-        _arenas(device).placement(key_for(tiny_fp8, **GPU))
+        _arenas(device).placement(key_for(tiny_fp8, **ABSENT_GPU))
