@@ -78,8 +78,9 @@ def give_back_own_copy(device: torch.device) -> None:
     """Free the donor's own tensors, unreferenced once its model holds the arena's views: on a
     GPU torch's caching allocator keeps freed blocks until emptied. Under ``--enable-sleep-mode``
     the load runs in a pool of vLLM's ``CuMemAllocator`` (tag ``weights``), which vLLM trims of
-    its free segments itself when the load's pool ends (``CuMemAllocator.use_memory_pool``);
-    nothing allocates between the copy's release and then."""
+    its wholly free segments itself when the load's pool ends (``CuMemAllocator.use_memory_pool``);
+    what vLLM allocates there in between may keep a part of a segment (the GPU test bounds what
+    the donor holds)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
