@@ -1,7 +1,8 @@
 """Opening a leased arena in the engine: a shareable CUDA allocation whose descriptor the
 daemon's handle socket passes (imported and mapped read-only on this process's GPU with the
 leased UUID), legacy CUDA IPC, or the shared-memory file mapped read-only (from the descriptor
-the handle socket passes, else by its path).
+the handle socket passes, else by its path). A donor opens the arena of its pending donation the
+same way, mapped read-write (``writable``): the handle socket passes it for the offer's secret.
 
 Whatever stops the open is raised typed from here: a shared-memory file that is gone, not
 readable or of the wrong size is :class:`~protocol.errors.ArenaUnavailableError`; the handle
@@ -30,7 +31,7 @@ from protocol.schemas.manifest import (
     CudaIpcHandle,
     ShmHandle,
 )
-from protocol.shm import map_fd_read_only, map_read_only
+from protocol.shm import map_fd, map_path
 
 
 @dataclass
@@ -67,7 +68,11 @@ def _gpu_index(uuid: str) -> int:
 
 
 def _open_cuda_fd(
-    descriptor: ArenaDescriptor, handle: CudaFdHandle, lease: str, socket: str | None
+    descriptor: ArenaDescriptor,
+    handle: CudaFdHandle,
+    lease: str,
+    socket: str | None,
+    writable: bool,
 ) -> OpenedArena:
     index = _gpu_index(handle.device_uuid)
     fd, size = fetch_arena_fd(handle.access, lease, descriptor.index, socket)
@@ -77,7 +82,7 @@ def _open_cuda_fd(
                 f"the handle socket passed {size} bytes, the grant says {handle.allocation_size}",
                 reason=Reason.ipc_open_failed,
             )
-        mapping = cuda_vmm.map_fd(fd, size, index, writable=False)
+        mapping = cuda_vmm.map_fd(fd, size, index, writable=writable)
         base = mapping.tensor()[: handle.size]
         return OpenedArena(base, via="descriptor", read_only=mapping.read_only)
     except WeightCacheError as exc:
@@ -93,7 +98,11 @@ def _open_cuda_fd(
 
 
 def _open_shm(
-    descriptor: ArenaDescriptor, handle: ShmHandle, lease: str, socket: str | None
+    descriptor: ArenaDescriptor,
+    handle: ShmHandle,
+    lease: str,
+    socket: str | None,
+    writable: bool,
 ) -> OpenedArena:
     if handle.access is not None:
         try:
@@ -102,7 +111,8 @@ def _open_shm(
             pass  # no handle socket here: the path may still be shared
         else:
             try:
-                return OpenedArena(map_fd_read_only(fd, handle.size), via="descriptor")
+                mapped = map_fd(fd, handle.size, writable)
+                return OpenedArena(mapped, via="descriptor", read_only=not writable)
             except (OSError, ValueError) as exc:
                 raise ArenaUnavailableError(
                     f"cannot map the leased arena's descriptor ({size} bytes): {exc}",
@@ -112,7 +122,9 @@ def _open_shm(
             finally:
                 os.close(fd)
     try:
-        return OpenedArena(map_read_only(Path(handle.path), handle.size))
+        return OpenedArena(
+            map_path(Path(handle.path), handle.size, writable), read_only=not writable
+        )
     except (OSError, ValueError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ArenaUnavailableError(
@@ -124,15 +136,24 @@ def _open_shm(
 
 
 def open_arena(
-    descriptor: ArenaDescriptor, lease: str, handle_socket: str | None = None
+    descriptor: ArenaDescriptor,
+    lease: str,
+    handle_socket: str | None = None,
+    writable: bool = False,
 ) -> OpenedArena:
     """Map the leased arena of lease ``lease`` in this process, zero copy; ``handle_socket``
-    overrides the handle socket's path the grant names (the loader's ``handle_socket``)."""
+    overrides the handle socket's path the grant names (the loader's ``handle_socket``).
+    ``writable``: the arena of the pending donation ``lease`` (its model id), for its donor."""
     handle = descriptor.handle
     if isinstance(handle, CudaFdHandle):
-        return _open_cuda_fd(descriptor, handle, lease, handle_socket)
+        return _open_cuda_fd(descriptor, handle, lease, handle_socket, writable)
     if isinstance(handle, ShmHandle):
-        return _open_shm(descriptor, handle, lease, handle_socket)
+        return _open_shm(descriptor, handle, lease, handle_socket, writable)
+    if writable:
+        raise VerificationError(
+            "the daemon offered a legacy CUDA IPC arena, which a donor does not write",
+            reason=Reason.donation_refused,
+        )
     index = _gpu_index(handle.device_uuid)
     try:
         return OpenedArena(open_cuda_arena(handle, index), via="cuda_ipc", read_only=False)

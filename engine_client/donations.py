@@ -2,8 +2,10 @@
 offered arena, and the comparison of keys. Nothing here knows vLLM (``engine_client/vllm/
 donated.py`` captures and binds a vLLM model's state).
 
-A donation is one copy: every tensor's storage span is written into the daemon's arena, its
-checksum taken over the bytes written, and the offer committed; the donor then leases its own
+A donation is one copy: every tensor's storage span is written into the daemon's arena (host
+shared memory, or a shareable allocation on the donor's GPU, copied there on the GPU; the handle
+socket passes it to the donor mapped read-write), its checksum taken over the bytes written, and
+the offer committed; the donor then leases its own
 donation and points its tensors into it (:func:`engine_client.vllm.donated.bind_donated`), so
 its own copy is freed. A failed copy abandons the offer, so the daemon keeps nothing half
 written.
@@ -11,7 +13,6 @@ written.
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_client.answers import parse_answer, parse_answers
+from engine_client.arenas import open_arena
 from engine_client.client import ApiCall, ClientConfig, DaemonClient
 from protocol.checksum import storage_checksum
 from protocol.dtypes import to_wire
@@ -33,7 +35,7 @@ from protocol.schemas.donations import (
     DonationOffer,
     DonationRequest,
 )
-from protocol.schemas.manifest import ShmHandle, TensorEntry
+from protocol.schemas.manifest import ArenaDescriptor, TensorEntry
 from protocol.schemas.models import ModelInfo, ModelState
 
 log = get_logger(__name__)
@@ -93,6 +95,24 @@ def find_donation(config: ClientConfig, key: DonationKey) -> Found:
     return Found(None, closest)
 
 
+def donated_bytes(config: ClientConfig, known: Mapping[str, object]) -> int:
+    """The bytes of the daemon's ready donated model whose key agrees with ``known`` on every
+    compared field it names (0: none)."""
+    compared = {k: v for k, v in known.items() if k not in DonationKey.COMPARED_EXCLUDE}
+    with DaemonClient(config) as client:
+        donations = client.send(list_call())
+        matching = {
+            info.model
+            for info in donations
+            if info.state is ModelState.ready
+            and all(getattr(info.key, k) == v for k, v in compared.items())
+        }
+        if not matching:
+            return 0
+        models = client.models()
+    return max((m.bytes_resident for m in models if m.id in matching), default=0)
+
+
 # --- the copy ---------------------------------------------------------------------------------
 
 
@@ -125,28 +145,30 @@ def donated_specs(tensors: Mapping[str, torch.Tensor]) -> list[DonatedTensorSpec
     return specs
 
 
-def _write(offer: DonationOffer, tensors: Mapping[str, torch.Tensor]) -> list[TensorEntry]:
-    """Copy every tensor's span into the offered shared-memory arena and describe it."""
-    handle = offer.handle
-    if not isinstance(handle, ShmHandle):
-        raise VerificationError(
-            "the daemon offered a GPU arena; this engine donates into shared memory only",
-            reason=Reason.donation_refused,
-        )
-    fd = os.open(handle.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _write(
+    offer: DonationOffer, tensors: Mapping[str, torch.Tensor], handle_socket: str | None
+) -> list[TensorEntry]:
+    """Copy every tensor's span into the offered arena, mapped read-write (host shared memory,
+    or a shareable allocation on this engine's GPU: a copy on the GPU), and describe it."""
+    descriptor = ArenaDescriptor(index=0, nbytes=offer.nbytes, handle=offer.handle)
+    opened = open_arena(descriptor, offer.model, handle_socket, writable=True)
+    base = opened.base
+    assert base is not None
     try:
-        if os.fstat(fd).st_size < offer.nbytes:
+        if base.numel() < offer.nbytes:
             raise VerificationError(
-                f"{handle.path} is smaller than the offer", reason=Reason.donation_refused
+                f"the offered arena holds {base.numel()} bytes, not {offer.nbytes}",
+                reason=Reason.donation_refused,
             )
-        mapped = mmap.mmap(fd, offer.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    try:
-        base = torch.frombuffer(mapped, dtype=torch.uint8)
-        target = base[:0]
         entries = []
         for name, tensor in tensors.items():
+            if tensor.device != base.device:
+                raise VerificationError(
+                    f"{name} is on {tensor.device}, the arena on {base.device}: an attacher "
+                    "would get it on another device",
+                    reason=Reason.donation_unsupported,
+                    tensor=name,
+                )
             span = storage_span(tensor)
             nbytes = span.numel() * span.element_size()
             offset = offer.offsets[name]
@@ -165,10 +187,12 @@ def _write(offer: DonationOffer, tensors: Mapping[str, torch.Tensor]) -> list[Te
                     checksum=storage_checksum(target),
                 )
             )
-        del base, target
+        if base.is_cuda:  # every copy done before the daemon reads them at the commit
+            torch.cuda.synchronize(base.device)
         return entries
     finally:
-        mapped.close()
+        del base
+        opened.close()  # unmapped once the last view is gone
 
 
 def donate(
@@ -177,13 +201,13 @@ def donate(
     tensors: Mapping[str, torch.Tensor],
     state: DonatedState,
 ) -> str:
-    """Give the daemon ``tensors`` (host tensors, by name; one per tensor object) under
-    ``key`` with ``state``; returns the donated model's id."""
+    """Give the daemon ``tensors`` (by name, one per tensor object; on the CPU, or all on the
+    GPU the key names) under ``key`` with ``state``; returns the donated model's id."""
     request = DonationRequest(key=key, tensors=donated_specs(tensors), client_pid=os.getpid())
     with DaemonClient(config) as client:
         offer = client.send(offer_call(request))
         try:
-            entries = _write(offer, tensors)
+            entries = _write(offer, tensors, config.handle_socket)
             client.send(
                 commit_call(
                     offer.model, DonationCommit(secret=offer.secret, tensors=entries, state=state)

@@ -12,7 +12,9 @@ from engine_client.client import ClientConfig
 from engine_client.donations import donate
 from modelopt_fp8.checkpoint import IdentityTier
 from modelopt_fp8.checkpoint.fingerprint import checkpoint_fingerprint
+from protocol.devices import Placement
 from protocol.schemas.donated import DonatedState, DonatedTensorRole, DonationKey
+from protocol.schemas.manifest import DeviceKind
 
 
 def key_for(checkpoint: Path, **over: Any) -> DonationKey:
@@ -39,6 +41,26 @@ def key_for(checkpoint: Path, **over: Any) -> DonationKey:
     }
     fields.update(over)
     return DonationKey(**fields)
+
+
+# A key's device fields for a GPU no host has (its UUID is made up): a daemon refuses it.
+ABSENT_GPU: dict[str, Any] = {
+    "device_kind": "cuda",
+    "device_name": "NVIDIA H100 80GB HBM3",
+    "compute_capability": "9.0",
+    "device_uuid": "GPU-00000000-1111-2222-3333-444444444444",
+}
+
+
+def gpu_fields(index: int = 0) -> dict[str, Any]:
+    """A key's device fields for this process's GPU ``index``, as an engine there makes them."""
+    gpu = Placement(DeviceKind.cuda, index).identity()
+    return {
+        "device_kind": "cuda",
+        "device_name": gpu.name,
+        "compute_capability": gpu.compute_capability,
+        "device_uuid": gpu.uuid,
+    }
 
 
 def some_tensors(seed: int = 0) -> dict[str, torch.Tensor]:

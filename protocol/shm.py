@@ -1,7 +1,8 @@
 """Host shared-memory arenas as an engine opens them: the CPU twin of CUDA IPC.
 
 An engine maps the daemon's arena file read-only (``PROT_READ``): a write through the mapping
-faults instead of reaching the daemon's bytes. The daemon's side (creating, locking, sweeping the
+faults instead of reaching the daemon's bytes. Only a donor maps the arena of its pending
+donation read-write, to write it. The daemon's side (creating, locking, sweeping the
 files) is ``service.memory.shm``.
 """
 
@@ -23,29 +24,44 @@ def byte_tensor(buffer: mmap.mmap) -> torch.Tensor:
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
-def map_fd_read_only(fd: int, nbytes: int) -> torch.Tensor:
+def map_fd(fd: int, nbytes: int, writable: bool = False) -> torch.Tensor:
     """Map ``nbytes`` of the arena file open as ``fd`` (passed by the daemon's handle socket)
-    read-only, as a byte tensor; ``fd`` stays the caller's."""
+    as a byte tensor, read-only unless ``writable`` (a donor's); ``fd`` stays the caller's."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise ValueError("the descriptor is not of a regular file")
     if st.st_size != nbytes:
         raise ValueError(f"the file holds {st.st_size} bytes, the manifest says {nbytes}")
-    return byte_tensor(mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ))
+    return byte_tensor(mmap.mmap(fd, nbytes, mmap.MAP_SHARED, _protection(writable)))
 
 
-def map_read_only(path: Path, nbytes: int) -> torch.Tensor:
-    """Map an arena file read-only in an engine, as a byte tensor. The tensor (and every view
-    of it) keeps the mapping alive; it is unmapped when the last one is gone, never under
-    them."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+def map_path(path: Path, nbytes: int, writable: bool = False) -> torch.Tensor:
+    """Map an arena file in an engine as a byte tensor, read-only unless ``writable`` (a
+    donor's). The tensor (and every view of it) keeps the mapping alive; it is unmapped when the
+    last one is gone, never under them."""
+    access = os.O_RDWR if writable else os.O_RDONLY
+    fd = os.open(path, access | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"{path} is not a regular file")
         if st.st_size != nbytes:
             raise ValueError(f"{path} holds {st.st_size} bytes, the manifest says {nbytes}")
-        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, _protection(writable))
     finally:
         os.close(fd)
     return byte_tensor(mapping)
+
+
+def _protection(writable: bool) -> int:
+    return mmap.PROT_READ | mmap.PROT_WRITE if writable else mmap.PROT_READ
+
+
+def map_fd_read_only(fd: int, nbytes: int) -> torch.Tensor:
+    """:func:`map_fd`, read-only: how a lease holder maps its arena."""
+    return map_fd(fd, nbytes)
+
+
+def map_read_only(path: Path, nbytes: int) -> torch.Tensor:
+    """:func:`map_path`, read-only: how a lease holder maps its arena by its path."""
+    return map_path(path, nbytes)

@@ -36,6 +36,7 @@ from service.keeper.custody import Custody
 from service.memory.devices import device_infos, use_plain_cuda_allocations
 from service.memory.shm import ArenaDir, remove_stale_files
 from service.metrics import Metrics, StateSnapshot
+from service.registry.donation_arenas import DonationArenas
 from service.registry.donations import Donations
 from service.registry.grant import Grant
 from service.registry.lease_desk import LeaseDesk
@@ -100,7 +101,13 @@ class Daemon:
             self.lock,
             settings.allow_token_donations,
             self.identity,
-            lambda: self.arena_dir,
+            DonationArenas(
+                settings.device,
+                settings.cuda_handles,
+                self.boot_id,
+                lambda: self.arena_dir,
+                self.custody.access_for,
+            ),
             self.metrics,
         )
 
@@ -120,7 +127,8 @@ class Daemon:
         else:
             log.warning("no shared-memory directory %s: CPU arenas cannot be made", root)
         use_plain_cuda_allocations()
-        self.custody.start(self.arena_dir, self.models, self.leases)  # adopts, before the sweep
+        # Adopts, before the sweep; passes pending donations' arenas to their donors.
+        self.custody.start(self.arena_dir, self.models, self.leases, self.donations.pending_arena)
         self.metrics.leases_granted.labels(via="keeper").inc(self.custody.leases_taken_over)
         if self.arena_dir is not None:
             stale = remove_stale_files(root) + self.arena_dir.remove_stale()  # earlier layout too

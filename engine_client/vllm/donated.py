@@ -42,7 +42,7 @@ from protocol.schemas.donated import (
 )
 from protocol.schemas.manifest import DeviceKind
 
-__all__ = ["bind_donated", "capture", "donation_key", "processed_load", "snapshot"]
+__all__ = ["bind_donated", "capture", "donation_key", "known_fields", "processed_load", "snapshot"]
 
 _PLAIN = (int, float, bool, str, type(None))
 _SKIPPED = frozenset({"training", "_parameters", "_buffers", "_modules"})
@@ -50,6 +50,46 @@ OWNERS = ("module", "quant_method", "kernel")
 
 
 # --- the key --------------------------------------------------------------------------------
+
+
+def known_fields(
+    vllm_config: Any,
+    model_config: Any,
+    checkpoint: Any,
+    device: torch.device,
+    tp_rank: int,
+    tp_size: int,
+) -> dict[str, Any]:
+    """The fields of this rank's key known before the model is built: all but the model class
+    and the kernels vLLM picks."""
+    tiers = {
+        t: checkpoint_fingerprint(checkpoint, t).digest
+        for t in (IdentityTier.files, IdentityTier.sampled, IdentityTier.hf_blob)
+    }
+    kind = DeviceKind.cuda if device.type == "cuda" else DeviceKind.cpu
+    if kind is DeviceKind.cuda:
+        identity = Placement(kind, device.index).identity()
+        name, capability, uuid = identity.name, identity.compute_capability, identity.uuid
+    else:
+        name, capability, uuid = f"cpu {torch.backends.cpu.get_cpu_capability()}", None, None
+    return {
+        "files": tiers[IdentityTier.files],
+        "sampled": tiers[IdentityTier.sampled],
+        "hf_blob": tiers[IdentityTier.hf_blob],
+        "vllm_version": vllm_version(),
+        "torch_version": torch.__version__,
+        "quantization": model_config.quantization,
+        "dtype": str(model_config.dtype),
+        "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "device_kind": kind.value,
+        "device_name": name,
+        "compute_capability": capability,
+        "device_uuid": uuid,
+        "tp_rank": tp_rank,
+        "tp_size": tp_size,
+        "max_model_len": int(model_config.max_model_len),
+        "checkpoint_path": str(checkpoint),
+    }
 
 
 def donation_key(
@@ -64,37 +104,8 @@ def donation_key(
     """What decides this rank's processed bytes: the checkpoint at its cheap identity tiers, the
     model class, vLLM and torch, the quantization and kernels picked, dtypes, the device, the TP
     rank and size, and the context length its constructors size buffers for."""
-    tiers = {
-        t: checkpoint_fingerprint(checkpoint, t).digest
-        for t in (IdentityTier.files, IdentityTier.sampled, IdentityTier.hf_blob)
-    }
-    files, sampled = tiers[IdentityTier.files], tiers[IdentityTier.sampled]
-    assert files is not None and sampled is not None
-    kind = DeviceKind.cuda if device.type == "cuda" else DeviceKind.cpu
-    if kind is DeviceKind.cuda:
-        identity = Placement(kind, device.index).identity()
-        name, capability = identity.name, identity.compute_capability
-    else:
-        name, capability = f"cpu {torch.backends.cpu.get_cpu_capability()}", None
-    return DonationKey(
-        files=files,
-        sampled=sampled,
-        hf_blob=tiers[IdentityTier.hf_blob],
-        architecture=type(model).__name__,
-        vllm_version=vllm_version(),
-        torch_version=torch.__version__,
-        quantization=model_config.quantization,
-        kernels=picked_kernels(model),
-        dtype=str(model_config.dtype),
-        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
-        device_kind=kind.value,
-        device_name=name,
-        compute_capability=capability,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        max_model_len=int(model_config.max_model_len),
-        checkpoint_path=str(checkpoint),
-    )
+    known = known_fields(vllm_config, model_config, checkpoint, device, tp_rank, tp_size)
+    return DonationKey(**known, architecture=type(model).__name__, kernels=picked_kernels(model))
 
 
 # --- what processing set --------------------------------------------------------------------

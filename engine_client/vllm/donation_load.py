@@ -7,8 +7,10 @@ equals this engine's, else load with vLLM's default loader and donate.
 2. **attach**: a ready donated model with an equal key is leased and bound onto the meta model
    (:func:`.donated.bind_donated`): the engine never holds a copy of its own.
 3. **donate**: otherwise the meta build is undone, vLLM's default load runs (build, load,
-   process), and its state is given to the daemon (:func:`engine_client.donations.donate`);
-   the engine then leases its own donation and binds it over its tensors, which frees them. A
+   process), and its state is given to the daemon (:func:`engine_client.donations.donate`:
+   into host shared memory on the CPU, on a GPU into a shareable allocation of the daemon's on
+   this GPU, copied there on the GPU); the engine then leases its own donation and binds it over
+   its tensors, which frees them (:func:`give_back_own_copy`). A
    donated model of the same checkpoint whose key differs is named in the log with the fields
    that differ; a donation the daemon refuses (or processing this loader cannot hand over)
    leaves the engine on its own load, with the reason.
@@ -27,11 +29,17 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 
 from engine_client.attach import Attachment, attach
 from engine_client.client import ClientConfig
-from engine_client.donations import Found, donate, find_donation
+from engine_client.donations import Found, donate, donated_bytes, find_donation
 from engine_client.fallback import own_failure_after, record_fallback
 from engine_client.loader_options import LoaderOptions
 from engine_client.verify import Expectations
-from engine_client.vllm.donated import bind_donated, capture, donation_key, processed_load
+from engine_client.vllm.donated import (
+    bind_donated,
+    capture,
+    donation_key,
+    known_fields,
+    processed_load,
+)
 from engine_client.vllm.engine_start import local_checkpoint
 from engine_client.vllm.internals import forget_build_on_error
 from protocol.errors import (
@@ -44,7 +52,14 @@ from protocol.logsafe import get_logger
 from protocol.reasons import Reason
 from protocol.schemas.donated import DONATED_KERNEL, DonationKey
 
-__all__ = ["DonatedLoad", "LoadInputs", "attach_or_donate", "donates"]
+__all__ = [
+    "DonatedLoad",
+    "LoadInputs",
+    "attach_or_donate",
+    "donated_rank_bytes",
+    "donates",
+    "give_back_own_copy",
+]
 
 log = get_logger(__name__)
 
@@ -59,6 +74,35 @@ class DonatedLoad:
     donated: str | None = None
     reason: Reason | None = None
     error: WeightCacheError | None = None  # why it did not share, where it did not
+
+
+def give_back_own_copy(device: torch.device) -> None:
+    """Free the donor's own tensors, unreferenced once its model holds the arena's views: on a
+    GPU torch's caching allocator keeps freed blocks until emptied. Under ``--enable-sleep-mode``
+    the load runs in a pool of vLLM's ``CuMemAllocator`` (tag ``weights``), which vLLM trims of
+    its wholly free segments itself when the load's pool ends (``CuMemAllocator.use_memory_pool``);
+    what vLLM allocates there in between may keep a part of a segment (the GPU test bounds what
+    the donor holds)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def donated_rank_bytes(
+    vllm_config: Any, model_config: Any, config: ClientConfig, device: torch.device
+) -> int:
+    """The bytes of the ready donated model this engine start will attach to (its key agrees in
+    every field known before the model is built), which vLLM budgets as memory held outside the
+    engine; 0 where there is none (an engine that donates counts its arena as it appears)."""
+    known = known_fields(
+        vllm_config,
+        model_config,
+        local_checkpoint(model_config),
+        device,
+        get_tensor_model_parallel_rank(),
+        get_tensor_model_parallel_world_size(),
+    )
+    return donated_bytes(config, known)
 
 
 def donates(exc: Exception, options: LoaderOptions) -> bool:
@@ -183,10 +227,6 @@ def _load_and_donate(load: LoadInputs, missing: _NoDonation) -> DonatedLoad:
             ", ".join(found.differs),
         )
     try:
-        if device.type != "cpu":
-            raise VerificationError(
-                "donations from a GPU are not served yet", reason=Reason.donation_refused
-            )
         state, tensors = capture(model, before)
         try:
             model_id = donate(config, missing.key, tensors, state)
@@ -203,6 +243,6 @@ def _load_and_donate(load: LoadInputs, missing: _NoDonation) -> DonatedLoad:
     except WeightCacheError as exc:
         reason = record_fallback(exc, "serving its own load")
         return DonatedLoad(model, None, reason=reason, error=exc)
-    gc.collect()  # the donor's own tensors, now unreferenced
+    give_back_own_copy(device)
     log.info("weight-cache: donated %s (%d tensors)", model_id, len(attachment.tensors))
     return DonatedLoad(model, attachment, donated=model_id)

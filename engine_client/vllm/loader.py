@@ -38,7 +38,12 @@ from engine_client.attach import Attachment
 from engine_client.client import ClientConfig
 from engine_client.fallback import FALLING_BACK, fall_back_or_raise, own_failure_after
 from engine_client.loader_options import LoaderOptions
-from engine_client.vllm.donation_load import LoadInputs, attach_or_donate, donates
+from engine_client.vllm.donation_load import (
+    LoadInputs,
+    attach_or_donate,
+    donated_rank_bytes,
+    donates,
+)
 from engine_client.vllm.engine_start import (
     daemon_model,
     rank_bytes,
@@ -48,7 +53,7 @@ from engine_client.vllm.internals import forget_build_on_error, freeze_startup_h
 from engine_client.vllm.load_steps import LOAD_STEPS, Load
 from engine_client.vllm.startup import before_memory_snapshot, fit_standby_budget
 from engine_client.vllm.steps import run_steps
-from protocol.errors import VerificationError, WeightCacheError
+from protocol.errors import ModelNotFoundError, VerificationError, WeightCacheError
 from protocol.logsafe import get_logger
 from protocol.reasons import Reason
 
@@ -135,12 +140,20 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
         return external
 
     def daemon_rank_bytes(self, vllm_config: Any, config: ClientConfig | None = None) -> int:
-        """Weight bytes the daemon holds for this rank (outside the engine's allocator), or 0
-        where it holds none for this engine. Asks the daemon and changes nothing; the
-        checkpoint's identity it reads is kept for the load of this engine start."""
+        """Weight bytes the daemon holds for this rank (outside the engine's allocator): its
+        model of this checkpoint, else the donated model this engine will attach to; 0 where it
+        holds none for this engine. Asks the daemon and changes nothing; the checkpoint's
+        identity it reads is kept for the load of this engine start."""
+        model_config = vllm_config.model_config
         try:
             config = config or self.options.client_config()
-            chosen = daemon_model(config, self.options, vllm_config, vllm_config.model_config)
+            try:
+                chosen = daemon_model(config, self.options, vllm_config, model_config)
+            except ModelNotFoundError:
+                if self.options.donate is False:
+                    return 0
+                device = target_device(vllm_config)
+                return donated_rank_bytes(vllm_config, model_config, config, device)
         except WeightCacheError:
             return 0
         return rank_bytes(chosen)

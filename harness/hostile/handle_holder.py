@@ -1,13 +1,18 @@
 """A lease holder asking the handle socket for its descriptor, again and again, while a member
 of the socket's group trickles bytes into many connections: for the hostile tests and
-``bench.hostile``."""
+``bench.hostile``; and another process presenting what it learnt of a lease (or of a pending
+donation) to the handle socket."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,7 +22,24 @@ from harness.hostile.users import NOBODY, run_attacker
 from protocol.errors import WeightCacheError
 from protocol.handle_socket import fetch_arena_fd
 from protocol.schemas.leases import LeaseGrant
-from protocol.schemas.manifest import ShmHandle
+from protocol.schemas.manifest import HandleAccess, ShmHandle
+
+# Presents a lease's access to the handle socket from another process; prints the outcome.
+PRESENT = """
+import json, os, sys
+from protocol.errors import WeightCacheError
+from protocol.handle_socket import fetch_arena_fd
+from protocol.schemas.manifest import HandleAccess
+access = HandleAccess.model_validate_json(sys.argv[1])
+try:
+    fd, size = fetch_arena_fd(access, sys.argv[2], 0)
+except WeightCacheError as exc:
+    reason = str(getattr(exc, "reason", ""))
+    print(json.dumps({"code": exc.code, "why": exc.extra.get("why"), "reason": reason}))
+else:
+    os.close(fd)
+    print(json.dumps({"size": size}))
+"""
 
 
 @dataclass
@@ -71,3 +93,21 @@ def holder_under_trickle(
         attacker.join(seconds + 120)
         httpx.delete(f"{url}/v1/leases/{grant.lease.id}", timeout=30)
     return outcome
+
+
+def present_elsewhere(
+    access: HandleAccess, lease: str, prefix: list[str] | None = None
+) -> dict[str, object]:
+    """What the handle socket answers another process (run under ``prefix``, e.g. another
+    user's ``setpriv``) that presents ``access`` for ``lease`` (a lease's id, or a pending
+    donation's model id): ``code``, ``why`` and ``reason`` of a refusal, else ``size``."""
+    out = subprocess.run(
+        [*(prefix or []), sys.executable, "-c", PRESENT, access.model_dump_json(), lease],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    answer: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return answer

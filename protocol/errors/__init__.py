@@ -49,6 +49,7 @@ from protocol.errors.checkpoints import (
     UnsupportedQuantAlgoError,
 )
 from protocol.errors.donations import (
+    DonationDeviceError,
     DonationExistsError,
     DonationInvalidError,
     DonationNotAllowedError,
@@ -132,6 +133,7 @@ __all__ = [
     "CudaDriverError",
     "DaemonRestartedError",
     "DaemonUnavailableError",
+    "DonationDeviceError",
     "DonationExistsError",
     "DonationInvalidError",
     "DonationNotAllowedError",

@@ -1,5 +1,6 @@
-"""Donated models: who may donate, a donation that would overwrite one held, a commit that is
-not the donor's or whose bytes do not match what it says."""
+"""Donated models: who may donate, a donation that would overwrite one held, a device the
+daemon cannot hold it on, a commit that is not the donor's or whose bytes do not match what it
+says."""
 
 from __future__ import annotations
 
@@ -52,3 +53,16 @@ class DonationInvalidError(InvalidRequestError):
     code = "donation_invalid"
     title = "Donated tensors do not match their arena or checksums"
     hint = "donate again; a donation whose bytes were changed while it was written is refused"
+
+
+class DonationDeviceError(ConflictError):
+    """A donation whose arena would live on a device this daemon does not hold arenas on: a GPU
+    donation to a daemon on the CPU, on another GPU, or lending GPU arenas over legacy IPC."""
+
+    code = "donation_device"
+    title = "The daemon cannot hold this donation on the donor's device"
+    hint = (
+        "a GPU donation needs a daemon on that GPU (--device cuda, cuda:N naming it, or auto on a "
+        "host with GPUs) lending arenas as descriptors (--cuda-handles fd); the engine serves "
+        "its own load meanwhile"
+    )

@@ -13,7 +13,7 @@ import json
 from typing import ClassVar, Literal
 
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -45,12 +45,25 @@ class DonationKey(BaseModel):
     device_kind: Literal["cpu", "cuda"]
     device_name: str = Field(description="the CPU platform, or the GPU's name")
     compute_capability: str | None
+    device_uuid: str | None = Field(
+        default=None,
+        description="the GPU the arena lives on, by UUID (an engine attaches zero-copy only on "
+        "that GPU); null on the CPU, whose arena every engine of the host maps",
+        max_length=128,
+    )
     tp_rank: int = Field(ge=0)
     tp_size: int = Field(ge=1)
     max_model_len: int = Field(description="sizes what constructors build (the rotary cache)")
     checkpoint_path: str = Field(description="where the donor read it (shown, not compared)")
 
     COMPARED_EXCLUDE: ClassVar[frozenset[str]] = frozenset({"checkpoint_path"})
+
+    @model_validator(mode="after")
+    def _names_its_gpu(self) -> DonationKey:
+        """A GPU's key names the GPU (its arena goes there); a CPU's names none."""
+        if (self.device_kind == "cuda") != (self.device_uuid is not None):
+            raise ValueError("device_uuid names the GPU of a cuda key, and only of a cuda key")
+        return self
 
     def compared(self) -> dict[str, object]:
         """The fields two keys must agree on (the path a copy lives at is not one)."""

@@ -23,8 +23,9 @@ from service.keeper.adopt import adopt_models
 from service.keeper.link import KeeperLink
 from service.keeper.messages import KeptLease, KeptModel
 from service.keeper.records import keepable, kept_lease, kept_model, lease_from_kept
-from service.memory.arena import VmmArena
+from service.memory.arena import Arena, VmmArena
 from service.memory.shm import ArenaDir, group_id
+from service.registry.handle_access import Claim
 from service.registry.handle_server import HandleServer
 from service.registry.leases import Lease, LeaseTable
 from service.registry.model_table import ModelTable
@@ -33,6 +34,10 @@ from service.run_dir import HANDLE_SOCKET, prepare_run_dir
 from service.settings import DaemonSettings
 
 log = get_logger("service.daemon")
+
+# A pending donation by its model id: what the handle socket checks its donor against, and its
+# arena (None: no donation pending by that id).
+PendingArenas = Callable[[str], tuple[Claim, Arena] | None]
 
 
 class Custody:
@@ -49,6 +54,7 @@ class Custody:
         # The registry's tables it keeps and adopts into, given at start: they tell it of their
         # changes (constructor arguments), so they are built after it.
         self._tables: tuple[ModelTable, LeaseTable] | None = None
+        self._donations: PendingArenas = lambda model_id: None
         self.keeper = KeeperLink(
             self.run_dir, settings.keeper, boot_id, self._holdings, settings.shm_group
         )
@@ -67,11 +73,18 @@ class Custody:
             raise RuntimeError("custody is not started")
         return self._tables
 
-    def start(self, arena_dir: ArenaDir | None, models: ModelTable, leases: LeaseTable) -> None:
-        """Serve descriptors, attach to the keeper, and take over what it held into ``models``
-        and ``leases`` (before the start-up sweep of dead daemons' files, which leaves the
-        keeper's alone)."""
+    def start(
+        self,
+        arena_dir: ArenaDir | None,
+        models: ModelTable,
+        leases: LeaseTable,
+        donations: PendingArenas = lambda model_id: None,
+    ) -> None:
+        """Serve descriptors (of leases, and of ``donations`` pending to their donors), attach
+        to the keeper, and take over what it held into ``models`` and ``leases`` (before the
+        start-up sweep of dead daemons' files, which leaves the keeper's alone)."""
         self._tables = (models, leases)
+        self._donations = donations
         prepare_run_dir(self.run_dir, self.gid)
         self.handles.start()
         self._serving = True
@@ -134,9 +147,14 @@ class Custody:
 
     def access(self, lease: Lease) -> HandleAccess | None:
         """What a lease's holder presents to the handle socket (None if it is not served)."""
+        return self.access_for(lease.secret)
+
+    def access_for(self, secret: str) -> HandleAccess | None:
+        """What the holder of ``secret`` (a lease's, a pending donation's) presents to the
+        handle socket (None if it is not served)."""
         if not self._serving:
             return None
-        return HandleAccess(socket=str(self.run_dir / HANDLE_SOCKET), secret=lease.secret)
+        return HandleAccess(socket=str(self.run_dir / HANDLE_SOCKET), secret=secret)
 
     def model_ready(self, record: ModelRecord) -> None:
         """Keep ``record``, the one held (told under the lock, so that an unload racing it is
@@ -158,26 +176,35 @@ class Custody:
 
     # --- for the handle socket and the keeper ----------------------------------------------------
 
-    def _descriptor(self, lease_id: str, arena: int) -> tuple[Lease, int, int]:
-        """The live lease, a new descriptor of its arena (the caller closes it) and the bytes
-        to map; a typed error when there is none."""
+    def _descriptor(self, lease_id: str, arena: int) -> tuple[Claim, int, int]:
+        """The live lease (or the pending donation, for its donor to write), a new descriptor
+        of its arena (the caller closes it) and the bytes to map; a typed error when there is
+        none."""
         models, leases = self.tables
         with self.lock:
-            lease = leases.get(lease_id, leases.now())
-            record = models.get(lease.model)
-            if arena != 0 or record.state is not ModelState.ready:
-                raise HandleRefusedError(f"model {lease.model} has no arena {arena} to pass")
-            held = record.ranks[lease.tp_rank].arena
+            pending = self._donations(lease_id)
+            if pending is not None:
+                claim, held = pending
+                named, opened = lease_id, held.donor_fd
+            else:
+                lease = leases.get(lease_id, leases.now())
+                record = models.get(lease.model)
+                if record.state is not ModelState.ready:
+                    raise HandleRefusedError(f"model {lease.model} has no arena {arena} to pass")
+                claim, held = lease, record.ranks[lease.tp_rank].arena
+                named, opened = lease.model, held.engine_fd
+            if arena != 0:
+                raise HandleRefusedError(f"model {named} has no arena {arena} to pass")
             try:
-                fd = held.engine_fd()
+                fd = opened()
             except OSError as exc:
-                raise HandleRefusedError(f"the arena of {lease.model} is gone: {exc}") from exc
+                raise HandleRefusedError(f"the arena of {named} is gone: {exc}") from exc
             if fd is None:
                 raise HandleRefusedError(
-                    f"the arena of {lease.model} is lent over legacy CUDA IPC, not as a descriptor"
+                    f"the arena of {named} is lent over legacy CUDA IPC, not as a descriptor"
                 )
             size = held.allocation_size if isinstance(held, VmmArena) else held.nbytes
-            return lease, fd, size
+            return claim, fd, size
 
     def _holdings(self) -> tuple[list[tuple[KeptModel, list[int]]], list[KeptLease]]:
         held, leases = self.tables

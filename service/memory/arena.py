@@ -76,6 +76,11 @@ class Arena(abc.ABC):
         """A new descriptor for a lease holder (the caller closes it), or None (legacy IPC)."""
         return None
 
+    def donor_fd(self) -> int | None:
+        """A new descriptor the donor of a pending donation maps read-write to write it (the
+        caller closes it), or None (legacy IPC)."""
+        return None
+
     def detach(self) -> None:
         """Drop this process's hold without giving the memory back: the keeper holds it for
         the next daemon (shutdown with a keeper)."""
@@ -143,6 +148,9 @@ class ShmArena(Arena):
         """The file opened afresh, read-only: an engine can map it only read-only, and its
         mapping does not hold the file's lock (which says a daemon or keeper owns the file)."""
         return None if self._file is None else self._file.open_read_only()
+
+    def donor_fd(self) -> int | None:
+        return None if self._file is None else self._file.open_read_write()
 
     def release(self) -> None:
         if self._file is not None:
@@ -244,6 +252,11 @@ class VmmArena(Arena):
 
     def engine_fd(self) -> int | None:
         return None if self._fd is None else os.dup(self._fd)
+
+    def donor_fd(self) -> int | None:
+        """The same descriptor as a lease holder's: what the importer maps decides read-only
+        or read-write (``cuda_vmm.map_fd``)."""
+        return self.engine_fd()
 
     def release(self) -> None:
         """Close the descriptor and drop the mapping (unmapped once no view of it is left): the

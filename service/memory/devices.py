@@ -40,6 +40,16 @@ def resolve_placements(device: str, tp_size: int) -> list[Placement]:
     return [Placement(DeviceKind.cuda, index)] * tp_size
 
 
+def places_on_gpu(device: str, index: int) -> bool:
+    """Whether a daemon started with ``--device device`` holds arenas on GPU ``index``: ``cuda``
+    on any, ``cuda:N`` on GPU N only, ``auto`` on any where a GPU is present, ``cpu`` on none."""
+    if device == "auto":
+        return torch.cuda.is_available()
+    if device == "cuda":
+        return True
+    return device == f"cuda:{index}"
+
+
 def _free_without_a_context(uuid: str) -> int | None:
     """Free memory from NVML (nvidia-ml-py, when installed): asking torch would create a CUDA
     context, hundreds of MiB, on every GPU the daemon never uses."""

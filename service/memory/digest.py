@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import xxhash
 
+from service.memory.arena import Arena, VmmArena
+
 BLOCK_BYTES = 64 << 20
 _WORDS = BLOCK_BYTES // 8
 # Odd 64-bit constants (as signed int64), so multiplication by them is a bijection mod 2^64.
@@ -56,3 +58,10 @@ def arena_digest(base: torch.Tensor) -> str:
     digest.update(nbytes.to_bytes(8, "little"))
     digest.update(host.numpy().tobytes())
     return f"arena64:{digest.hexdigest()}"
+
+
+def kept_digest(arena: Arena) -> str | None:
+    """The digest a new daemon checks when it adopts ``arena`` from the keeper, taken once its
+    bytes are written (a load's, a donation's commit): GPU arenas only; a shared-memory arena is
+    checked by its tensors' checksums."""
+    return arena_digest(arena.base) if isinstance(arena, VmmArena) else None

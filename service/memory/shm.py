@@ -193,9 +193,17 @@ class ShmFile:
 
     def open_read_only(self) -> int:
         """A new read-only descriptor of this file (``OSError`` if its name no longer names it)."""
+        return self._open(os.O_RDONLY)
+
+    def open_read_write(self) -> int:
+        """A new read-write descriptor of this file, for the donor that writes it (``OSError``
+        if its name no longer names it)."""
+        return self._open(os.O_RDWR)
+
+    def _open(self, access: int) -> int:
         fd = os.open(
             self.name,
-            os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+            access | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
             dir_fd=self.directory.fd,
         )
         held, opened = os.fstat(self._fd), os.fstat(fd)

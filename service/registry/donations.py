@@ -11,18 +11,16 @@ donor's bytes are checked as a load's are), and publishes the model: from then o
 leased, kept by the keeper and scrubbed as any other. A pending donation whose donor process
 ended is dropped with its arena.
 
-On a GPU the arena would be a shareable allocation (``VmmArena``) whose descriptor the handle
-socket passes to the donor for the offer's secret, as it does for a lease's holder; this daemon
-offers shared-memory arenas only.
+The arena is host shared memory for a donor on the CPU and a shareable allocation on the
+donor's GPU for one on a GPU (:mod:`service.registry.donation_arenas`); the handle socket passes
+its descriptor to the donor for the offer's secret. Nothing else here knows which.
 """
 
 from __future__ import annotations
 
 import secrets
-import shutil
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +29,6 @@ import xxhash
 
 from modelopt_fp8.processing.tensor_spec import TensorSpec
 from protocol.checksum import storage_checksum
-from protocol.devices import Placement
 from protocol.dtypes import to_torch
 from protocol.errors import (
     DonationExistsError,
@@ -39,9 +36,7 @@ from protocol.errors import (
     DonationNotAllowedError,
     DonationNotFoundError,
     DonationSecretError,
-    InsufficientMemoryError,
     InvalidRequestError,
-    ShmDirError,
     WeightCacheError,
 )
 from protocol.logsafe import get_logger
@@ -57,16 +52,15 @@ from protocol.schemas.manifest import (
     CheckpointDigests,
     CheckpointIdentity,
     DaemonIdentity,
-    DeviceKind,
     Manifest,
     TensorEntry,
 )
 from protocol.schemas.models import ModelState
-from service.memory.arena import Arena, allocate_arena
+from service.memory.arena import Arena
 from service.memory.layout import ArenaLayout, pack
-from service.memory.shm import ArenaDir
 from service.metrics import Metrics
-from service.registry.lease_holders import Caller, prove_holder, trusted_uids
+from service.registry.donation_arenas import DonationArenas
+from service.registry.lease_holders import Caller, Holder, prove_holder, trusted_uids
 from service.registry.loader import Progress, ResidentRank
 from service.registry.model_table import ModelTable
 from service.registry.models import ModelRecord
@@ -100,7 +94,7 @@ class Pending:
     secret: str
     key: DonationKey
     donor: Donor
-    pid_start: int | None  # the donor's process start, to drop the donation when it ends
+    holder: Holder  # the donor as proven: the handle socket passes the arena to it alone
 
 
 def _span_bytes(entry: TensorEntry) -> int:
@@ -118,14 +112,14 @@ class Donations:
         lock: threading.RLock,
         token_donations: bool,
         daemon: DaemonIdentity,
-        arena_dir: Callable[[], ArenaDir | None],
+        arenas: DonationArenas,
         metrics: Metrics,
     ) -> None:
         self.models = models
         self.lock = lock
         self.token_donations = token_donations
         self.daemon = daemon
-        self.arena_dir = arena_dir
+        self.arenas = arenas
         self.metrics = metrics
         self.pending: dict[str, Pending] = {}
 
@@ -150,21 +144,13 @@ class Donations:
             )
         holder = prove_holder(caller, req.client_pid)  # /proc: outside the lock
         self.drop_abandoned()
-        if req.key.device_kind != DeviceKind.cpu.value:
-            raise InvalidRequestError.of_field(
-                "key.device_kind",
-                "this daemon takes donations into shared memory only (device_kind 'cpu')",
-                "value_error",
-            )
+        placement = self.arenas.placement(req.key)
         names = [t.name for t in req.tensors]
         if len(set(names)) != len(names):
             raise InvalidRequestError.of_field("tensors", "a tensor is named twice", "value_error")
         layout = pack(
             TensorSpec(t.name, torch.uint8, (t.nbytes,), (t.nbytes,), (1,)) for t in req.tensors
         )
-        arena_dir = self.arena_dir()
-        if arena_dir is None:
-            raise ShmDirError("no shared-memory arena directory (see --shm-dir)")
         model_id = donated_model_id(req.key)
         record = ModelRecord(
             id=model_id,
@@ -187,33 +173,26 @@ class Donations:
                     model=model_id,
                 )
             self.models.add_donated(record, layout.nbytes)
-            # Room in shared memory last: a donation refused for its key or the caps evicts
-            # nobody for it.
-            free = self.models.make_free(
-                Placement(DeviceKind.cpu),
-                layout.nbytes,
-                lambda: shutil.disk_usage(arena_dir.path).free,
-            )
-            if layout.nbytes > free:
+            # Room where the arena goes last: a donation refused for its key or the caps
+            # evicts nobody for it.
+            try:
+                self.arenas.make_room(placement, layout.nbytes, self.models.make_free)
+            except WeightCacheError:
                 self.models.remove_donated(record)
-                raise InsufficientMemoryError(
-                    f"the donation needs {layout.nbytes} bytes of shared memory, "
-                    f"{arena_dir.path} has {free}",
-                    needed=layout.nbytes,
-                    available=free,
-                )
+                raise
+        secret = secrets.token_hex(16)
+        arena: Arena | None = None
         try:
-            arena = allocate_arena(
-                layout, Placement(DeviceKind.cpu), arena_dir, self.daemon.boot_id, model_id
-            )
+            arena = self.arenas.allocate(layout, placement, model_id)
+            handle = self.arenas.handle(arena, secret)
         except BaseException:
             with self.lock:
                 self.models.remove_donated(record)
+            if arena is not None:
+                arena.release()
             raise
         sizes = {t.name: t.nbytes for t in req.tensors}
-        pending = Pending(
-            record, arena, layout, sizes, secrets.token_hex(16), req.key, donor, holder.pid_start
-        )
+        pending = Pending(record, arena, layout, sizes, secret, req.key, donor, holder)
         with self.lock:
             self.pending[model_id] = pending
         log.info(
@@ -226,7 +205,7 @@ class Donations:
         return DonationOffer(
             model=model_id,
             secret=pending.secret,
-            handle=arena.export(None),
+            handle=handle,
             offsets=layout.offsets,
             nbytes=layout.nbytes,
         )
@@ -265,7 +244,7 @@ class Donations:
             manifest = self._manifest(
                 pending, entries, Donated(key=pending.key, state=body.state, donor=pending.donor)
             )
-            rank = ResidentRank(pending.arena, manifest)
+            rank = ResidentRank(pending.arena, manifest, self.arenas.digest(pending.arena))
             self.models.publish_donated(pending.record, [rank])
         except BaseException:
             self._drop(pending)
@@ -304,11 +283,18 @@ class Donations:
         """Why ``pending`` is to be dropped (``unloaded``, ``donor_gone``); None: it stands."""
         if self.models.records.get(pending.record.id) is not pending.record:
             return "unloaded"
-        if pending.donor.pid is None or pending.pid_start is None:
+        watched = pending.holder.process
+        if watched is None:
             return None
-        status = process_status(pending.donor.pid)
-        alive = status is not None and not status.ended and status.start == pending.pid_start
+        status = process_status(watched[0])
+        alive = status is not None and not status.ended and status.start == watched[1]
         return None if alive else "donor_gone"
+
+    def pending_arena(self, model_id: str) -> tuple[Pending, Arena] | None:
+        """The pending donation ``model_id`` and its arena, which the handle socket passes to
+        its donor alone (call under the lock)."""
+        pending = self.pending.get(model_id)
+        return None if pending is None else (pending, pending.arena)
 
     def _manifest(self, pending: Pending, entries: list[TensorEntry], donated: Donated) -> Manifest:
         key = pending.key

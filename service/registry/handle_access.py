@@ -1,4 +1,5 @@
-"""Who may have a lease's descriptors: the one decision the handle socket asks.
+"""Who may have a lease's descriptors (or a pending donation's, for its donor to write): the
+one decision the handle socket asks.
 
 A peer gets them only with the lease's secret (handed out with the grant), as the lease's
 holder's user (``Lease.holder.uid``, proven when the lease was granted:
@@ -15,8 +16,20 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
-from service.registry.leases import Lease
+from service.registry.lease_holders import Holder
+
+
+class Claim(Protocol):
+    """What the handle socket passes descriptors for: a lease, or a pending donation (whose
+    donor writes its arena), each with its secret and its proven holder."""
+
+    @property
+    def secret(self) -> str: ...
+
+    @property
+    def holder(self) -> Holder: ...
 
 
 @dataclass(frozen=True)
@@ -42,9 +55,10 @@ def pids_of(pid: int) -> set[int]:
     return pids
 
 
-def holder_refusal(lease: Lease, secret: str, peer: Peer, uids: frozenset[int]) -> str | None:
-    """Why ``peer``, presenting ``secret``, may not have ``lease``'s descriptors; None if it may.
-    (The lease's holder fields are compared here and nowhere else.)"""
+def holder_refusal(lease: Claim, secret: str, peer: Peer, uids: frozenset[int]) -> str | None:
+    """Why ``peer``, presenting ``secret``, may not have ``lease``'s descriptors (a lease's or
+    a pending donation's); None if it may. (The holder fields are compared here and nowhere
+    else.)"""
     if not hmac.compare_digest(lease.secret.encode(), secret.encode()):
         return "the secret is not this lease's"
     holder = lease.holder

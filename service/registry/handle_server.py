@@ -1,5 +1,6 @@
 """The handle socket (``<run_dir>/handles.sock``): passes an arena's descriptor by
-``SCM_RIGHTS`` to the holder of a live lease on it, and a typed refusal to anyone else.
+``SCM_RIGHTS`` to the holder of a live lease on it (or to the donor of a pending donation, which
+writes it), and a typed refusal to anyone else.
 
 It runs beside the API in threads of its own, never on the event loop: one reads every
 connection's request as its bytes come, waiting on none (a selector), and a few workers answer
@@ -43,15 +44,14 @@ from protocol.fd_passing import (
 )
 from protocol.handle_socket import MAX_REQUEST_BYTES, HandleAnswer, HandleRequest
 from protocol.logsafe import get_logger
-from service.registry.handle_access import Peer, holder_refusal
+from service.registry.handle_access import Claim, Peer, holder_refusal
 from service.registry.lease_holders import trusted_uids
-from service.registry.leases import Lease
 from service.run_dir import listen_unix
 
 log = get_logger(__name__)
 
-# (lease id, arena index) -> (the lease, a duplicate of the arena's descriptor, its size).
-Lookup = Callable[[str, int], tuple[Lease, int, int]]
+# (lease id, arena index) -> (the lease or pending donation, a descriptor of the arena, its size).
+Lookup = Callable[[str, int], tuple[Claim, int, int]]
 MAX_CONNECTIONS = 256
 PER_PEER = 16  # connections of one user at once
 REQUEST_S = 2.0  # a request must come whole within this of its connection

@@ -36,8 +36,8 @@ from protocol.schemas.manifest import (
     TensorEntry,
 )
 from protocol.version import PROTOCOL_VERSION, __version__
-from service.memory.arena import Arena, ShmArena, VmmArena, allocate_arena
-from service.memory.digest import arena_digest
+from service.memory.arena import Arena, ShmArena, allocate_arena
+from service.memory.digest import kept_digest
 from service.memory.layout import pack
 from service.memory.shm import ArenaDir
 
@@ -168,18 +168,30 @@ def _shm_free(path: Path) -> int:
 def _check_budget(req: LoadRequest, needed: int) -> None:
     req.reserve(needed)
     for placement in set(req.placements):
-        free = _free_on(placement, req.arena_dir)
-        if free is None:
-            continue
         share = needed * req.placements.count(placement) // len(req.placements)
-        available = req.make_free(placement, share, free)
-        if share > available:
-            where = "shared memory" if placement.index is None else f"GPU {placement.index}"
-            raise InsufficientMemoryError(
-                f"model needs {share} bytes in {where}, {available} free",
-                needed=share,
-                available=available,
-            )
+        make_room(placement, share, req.arena_dir, req.make_free)
+
+
+def make_room(
+    placement: Placement,
+    needed: int,
+    arena_dir: ArenaDir | None,
+    make_free: Callable[[Placement, int, Callable[[], int]], int],
+) -> None:
+    """Make ``needed`` more bytes of arena fit where ``placement`` puts them (the GPU's free
+    memory, or the shared-memory directory's), through ``make_free`` (which may evict unleased
+    donated models), else refuse typed."""
+    free = _free_on(placement, arena_dir)
+    if free is None:
+        return
+    available = make_free(placement, needed, free)
+    if needed > available:
+        where = "shared memory" if placement.index is None else f"GPU {placement.index}"
+        raise InsufficientMemoryError(
+            f"{needed} bytes needed in {where}, {available} free",
+            needed=needed,
+            available=available,
+        )
 
 
 def _manifest(
@@ -308,11 +320,7 @@ def load_model(req: LoadRequest, progress: Progress) -> list[ResidentRank]:
         identity = _with_full_digest(ckpt, identity, run)
         req.opened(identity)
         return [
-            ResidentRank(
-                arena,
-                _manifest(req, identity, plan, arena, sums),
-                arena_digest(arena.base) if isinstance(arena, VmmArena) else None,
-            )
+            ResidentRank(arena, _manifest(req, identity, plan, arena, sums), kept_digest(arena))
             for plan, arena, sums in zip(plans, arenas, checksums, strict=True)
         ]
     except BaseException:

@@ -4,6 +4,11 @@ generate greedily from fixed token ids, optionally record the model's whole stat
 
 usage: python -m tests.gpu.vllm_engine CKPT --load-format auto|weight_cache [--url URL]
        [--fallback true|false] [--kv-cache-dtype auto|fp8] [--cuda-graphs] [--state FILE]
+       [--sleep-mode] [--gpu-memory]
+
+``--gpu-memory`` adds the GPU bytes this process holds once it generated (NVML, as
+``gpu_memory`` reads them; the engine runs in this process with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seed": 0,
         "load_format": args.load_format,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "enable_sleep_mode": args.sleep_mode,
     }
     if args.load_format == "weight_cache":
         extra: dict[str, Any] = {"url": args.url}
@@ -94,6 +100,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     outputs = llm.generate(prompts, params)
     result["generate_s"] = round(time.perf_counter() - start, 3)
     result["tokens"] = [list(o.outputs[0].token_ids) for o in outputs]
+    if args.gpu_memory:
+        from tests.gpu.gpu_memory import used_by_pid
+
+        used = used_by_pid()
+        result["gpu_bytes"] = None if used is None else used.get(os.getpid(), 0)
     result["ok"] = True
     return result
 
@@ -109,6 +120,8 @@ def main() -> int:
     p.add_argument("--state")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.2)
     p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    p.add_argument("--sleep-mode", action="store_true", help="vLLM's --enable-sleep-mode")
+    p.add_argument("--gpu-memory", action="store_true")
     args = p.parse_args()
     _show_project_logs()
     try:
@@ -117,6 +130,7 @@ def main() -> int:
         result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         traceback.print_exc()
     result["multiprocessing"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    result["pid"] = os.getpid()
     sys.stdout.flush()
     print("RESULT " + json.dumps(result), flush=True)
     return 0 if result["ok"] else 1

@@ -1,6 +1,8 @@
 """Donated models in a real daemon: donated, leased, listed with their donor, checked by their
 checksums, unloaded, kept across a daemon restart under a keeper, counted in its metrics, and
-evicted (unleased only) when a load or another donation needs room."""
+evicted (unleased only) when a load or another donation needs room; the pending arena passed to
+its donor alone, read-write, by the handle socket; a GPU donation refused, typed, by a daemon
+that holds no arena on that GPU."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine_client.arenas import open_arena
 from engine_client.attach import Attachment, attach
 from engine_client.client import ClientConfig, DaemonClient
-from engine_client.donations import donated_specs, offer_call
+from engine_client.donations import abandon_call, donated_specs, offer_call
 from engine_client.verify import Expectations
 from harness.daemon_process import (
     DaemonProcess,
@@ -27,11 +30,14 @@ from harness.daemon_process import (
     start_daemon,
     stop_keeper,
 )
-from harness.donating import donate_tensors, key_for, some_tensors
+from harness.donating import ABSENT_GPU, donate_tensors, key_for, some_tensors
+from harness.hostile.handle_holder import present_elsewhere
 from harness.waiting import wait_for
-from protocol.errors import WeightCacheError
+from protocol.errors import DonationDeviceError, HandleRefusedError, WeightCacheError
+from protocol.handle_socket import fetch_arena_fd
 from protocol.schemas.donated import DONATED_KERNEL, DonationKey
 from protocol.schemas.donations import DonationOffer, DonationRequest
+from protocol.schemas.manifest import ArenaDescriptor, HandleAccess, ShmHandle
 
 
 @pytest.fixture
@@ -108,6 +114,65 @@ def test_a_donated_model_survives_a_restart_under_the_keeper(
         with _attach(second.url, model) as attachment:
             for name, tensor in tensors.items():
                 assert torch.equal(attachment.tensors[name], tensor)
+
+
+def test_a_pending_arena_goes_to_its_donor_alone_read_write(
+    daemon: DaemonProcess, tiny_fp8: Path
+) -> None:
+    """The donor maps the arena it is offered read-write through the handle socket (as a GPU
+    donor maps a shareable allocation); a wrong secret, another process with the secret, and
+    anyone once the donation is gone are refused."""
+    tensors = some_tensors()
+    request = DonationRequest(
+        key=key_for(tiny_fp8), tensors=donated_specs(tensors), client_pid=os.getpid()
+    )
+    config = ClientConfig.from_env(url=daemon.url)
+    with DaemonClient(config) as client:
+        offer = client.send(offer_call(request))
+    handle = offer.handle
+    assert isinstance(handle, ShmHandle) and handle.access is not None
+    access: HandleAccess = handle.access
+    descriptor = ArenaDescriptor(index=0, nbytes=offer.nbytes, handle=handle)
+    opened = open_arena(descriptor, offer.model, writable=True)
+    assert opened.base is not None
+    assert opened.via == "descriptor" and not opened.read_only
+    opened.base[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    opened.close()
+
+    with pytest.raises(HandleRefusedError) as err:
+        fetch_arena_fd(access.model_copy(update={"secret": "x" * 32}), offer.model, 0)
+    assert err.value.extra["why"] == "the secret is not this lease's"
+    answer = present_elsewhere(access, offer.model)
+    assert answer["code"] == "handle_refused" and "is not the lease's holder" in str(answer["why"])
+
+    with DaemonClient(config) as client:
+        client.send(abandon_call(offer.model, offer.secret))
+    with pytest.raises(HandleRefusedError):  # no pending donation by that id any more
+        fetch_arena_fd(access, offer.model, 0)
+
+
+def test_a_gpu_donation_is_refused_by_a_daemon_on_the_cpu(
+    daemon: DaemonProcess, tiny_fp8: Path
+) -> None:
+    """A key of a GPU asks for an arena on that GPU: a daemon on the CPU refuses it, typed and
+    with its hint, and registers nothing."""
+    with pytest.raises(DonationDeviceError) as err:
+        donate_tensors(daemon.url, key_for(tiny_fp8, **ABSENT_GPU))
+    assert "host shared memory only" in err.value.detail
+    assert err.value.extra["device"] == ABSENT_GPU["device_uuid"]
+    with httpx.Client(base_url=daemon.url) as http:
+        assert http.get("/v1/donations").json() == []
+        assert not [m for m in http.get("/v1/models").json() if m["donor"]]
+        refused = http.post(
+            "/v1/donations",
+            json=DonationRequest(
+                key=key_for(tiny_fp8, **ABSENT_GPU),
+                tensors=donated_specs(some_tensors()),
+                client_pid=os.getpid(),
+            ).model_dump(mode="json"),
+        )
+    assert refused.status_code == 409 and refused.json()["code"] == "donation_device"
+    assert refused.json()["hint"] == DonationDeviceError.hint
 
 
 # --- metrics ----------------------------------------------------------------------------------

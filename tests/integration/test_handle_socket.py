@@ -17,30 +17,13 @@ import httpx
 import pytest
 
 from harness.daemon_process import DaemonProcess, lease_body, start_daemon
+from harness.hostile.handle_holder import present_elsewhere
 from protocol.errors import HandleRefusedError
 from protocol.fd_passing import receive_message
 from protocol.handle_socket import HandleAnswer, fetch_arena_fd
 from protocol.schemas.leases import LeaseGrant
 from protocol.schemas.manifest import HandleAccess, ShmHandle
 from service.run_dir import HANDLE_SOCKET
-
-# Presents a lease to the handle socket from another process; prints the outcome as JSON.
-PRESENT = """
-import json, os, sys
-from protocol.errors import WeightCacheError
-from protocol.fd_passing import receive_message
-from protocol.handle_socket import HandleAnswer, fetch_arena_fd
-from protocol.schemas.manifest import HandleAccess
-access = HandleAccess.model_validate_json(sys.argv[1])
-try:
-    fd, size = fetch_arena_fd(access, sys.argv[2], 0)
-except WeightCacheError as exc:
-    reason = str(getattr(exc, "reason", ""))
-    print(json.dumps({"code": exc.code, "why": exc.extra.get("why"), "reason": reason}))
-else:
-    os.close(fd)
-    print(json.dumps({"size": size}))
-"""
 
 
 def grant(daemon: DaemonProcess, **over: Any) -> LeaseGrant:
@@ -56,17 +39,7 @@ def access_of(g: LeaseGrant) -> HandleAccess:
 
 
 def present(g: LeaseGrant, prefix: list[str] | None = None) -> dict[str, object]:
-    access = access_of(g)
-    out = subprocess.run(
-        [*(prefix or []), sys.executable, "-c", PRESENT, access.model_dump_json(), g.lease.id],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    answer: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
-    return answer
+    return present_elsewhere(access_of(g), g.lease.id, prefix)
 
 
 def test_the_holder_gets_a_read_only_descriptor(daemon_process: DaemonProcess) -> None:
