@@ -11,6 +11,7 @@ grant that reached the daemon but whose answer was lost would leak a lease.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -246,7 +247,7 @@ class _BaseClient:
         return _Call("DELETE", f"/v1/leases/{lease_id}", lambda r: None)
 
 
-class DaemonClient(_BaseClient):
+class DaemonClient(_BaseClient, contextlib.AbstractContextManager["DaemonClient"]):
     """Synchronous client (used by the CLI and by engines at load time)."""
 
     def __init__(self, config: ClientConfig | None = None) -> None:
@@ -256,9 +257,6 @@ class DaemonClient(_BaseClient):
 
     def close(self) -> None:
         self._http.close()
-
-    def __enter__(self) -> DaemonClient:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

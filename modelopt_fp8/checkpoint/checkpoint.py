@@ -11,6 +11,7 @@ Every file is opened once, by descriptor (see :mod:`modelopt_fp8.checkpoint.open
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -65,7 +66,7 @@ def _read_json(file: OpenedFile) -> tuple[bytes, dict[str, Any]]:
 
 
 @dataclass
-class Checkpoint:
+class Checkpoint(contextlib.AbstractContextManager["Checkpoint"]):
     """An opened checkpoint; use as a context manager or call :meth:`close`.
 
     Reads: :meth:`read` (a fresh tensor, optionally rows/columns of it) and :meth:`read_into`
@@ -186,9 +187,6 @@ class Checkpoint:
 
     def close(self) -> None:
         self._reader.close()
-
-    def __enter__(self) -> Checkpoint:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -56,6 +56,16 @@ def _close(fds: list[int]) -> None:
             os.close(fd)
 
 
+def _model_entries(model: KeptModel, fds: list[int]) -> list[Entry]:
+    """What keeps ``model``, in order: each arena's descriptor (``fds``, rank order), then the
+    model, which the keeper puts once its arenas came."""
+    arenas: list[Entry] = [
+        (ArenaFd(model=model.id, rank=arena.rank), [fd])
+        for arena, fd in zip(model.arenas, fds, strict=True)
+    ]
+    return [*arenas, (PutModel(model=model), [])]
+
+
 def spawn_keeper(run_dir: Path, shm_group: str | None) -> subprocess.Popen[bytes]:
     """``weight-cache keeper`` detached (its own session: a daemon's death does not take it
     along), logging to ``<run_dir>/keeper.log``."""
@@ -195,9 +205,8 @@ class KeeperLink:
         if not self.enabled:
             _close(fds)
             return
-        for arena, fd in zip(model.arenas, fds, strict=True):
-            self._queue.put((ArenaFd(model=model.id, rank=arena.rank), [fd]))
-        self._queue.put((PutModel(model=model), []))
+        for entry in _model_entries(model, fds):
+            self._queue.put(entry)
 
     def drop_model(self, model_id: str) -> None:
         if self.enabled:
@@ -266,11 +275,8 @@ class KeeperLink:
             models, leases = self.holdings()
             for model, fds in models:
                 try:
-                    for arena, fd in zip(model.arenas, fds, strict=True):
-                        send_message(
-                            sock, Envelope(message=ArenaFd(model=model.id, rank=arena.rank)), [fd]
-                        )
-                    send_message(sock, Envelope(message=PutModel(model=model)))
+                    for message, sent in _model_entries(model, fds):
+                        send_message(sock, Envelope(message=message), sent)
                 finally:
                     _close(fds)
             for lease in leases:

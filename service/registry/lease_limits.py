@@ -40,22 +40,20 @@ class LeaseLimits:
         """Refuse one more lease past the daemon's cap, the holder user's or its process's
         (expired ones freed first). Caller holds the daemon's lock."""
         leases.expire(leases.now())
-        cap = self.settings.max_leases
-        if leases.count() >= cap:
-            raise TooManyLeasesError(
-                f"the daemon holds its maximum of {cap} active leases", limit=cap
-            )
-        cap = self.settings.max_leases_per_uid
-        if holder.uid is not None and leases.count_user(holder.uid) >= cap:
-            raise TooManyUserLeasesError(
-                f"uid {holder.uid} holds its maximum of {cap} active leases",
-                uid=holder.uid,
-                limit=cap,
-            )
-        cap = self.settings.max_leases_per_client
-        if holder.pid is not None and leases.count_client(holder.pid) >= cap:
-            raise TooManyClientLeasesError(
-                f"client process {holder.pid} holds its maximum of {cap} active leases",
-                client_pid=holder.pid,
-                limit=cap,
-            )
+        s, uid, pid = self.settings, holder.uid, holder.pid
+        _refuse_at(s.max_leases, leases.count(), "the daemon", TooManyLeasesError)
+        if uid is not None:
+            held = leases.count_user(uid)
+            _refuse_at(s.max_leases_per_uid, held, f"uid {uid}", TooManyUserLeasesError, uid=uid)
+        if pid is not None:
+            held, who = leases.count_client(pid), f"client process {pid}"
+            _refuse_at(s.max_leases_per_client, held, who, TooManyClientLeasesError, client_pid=pid)
+
+
+def _refuse_at(
+    cap: int, held: int, who: str, error: type[TooManyLeasesError], **fields: int
+) -> None:
+    """Refuse one more lease for ``who`` (the daemon, a user, a process) holding ``held`` of
+    its ``cap``."""
+    if held >= cap:
+        raise error(f"{who} holds its maximum of {cap} active leases", limit=cap, **fields)
