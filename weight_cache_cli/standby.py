@@ -15,6 +15,7 @@ from types import FrameType
 import click
 
 from protocol.logsafe import get_logger
+from protocol.schemas.tensor_parallel import MAX_TP_SIZE
 from weight_cache_cli.options import client_config, daemon_options
 
 log = get_logger(__name__)
@@ -79,7 +80,7 @@ def _stop(child: subprocess.Popen[bytes]) -> int:
 )
 @click.option(
     "--tp-size",
-    type=click.IntRange(1, 64),
+    type=click.IntRange(1, MAX_TP_SIZE),
     default=1,
     show_default=True,
     help="With --model: the engine's TP size.",

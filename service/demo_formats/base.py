@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from modelopt_fp8.checkpoint.architecture import LinearSpec
+from modelopt_fp8.schemes import LinearScheme
 
 
 class DemoFormat(abc.ABC):
@@ -42,3 +43,16 @@ class DemoFormat(abc.ABC):
     @abc.abstractmethod
     def check_layer(self, spec: LinearSpec) -> None:
         """Refuse (``ValueError``) a layer this format cannot be written in for vLLM."""
+
+
+class SchemeFormat(DemoFormat):
+    """A format whose weights one of the daemon's schemes writes (the ModelOpt ones, and bf16
+    through the scheme that holds a layer a config excludes)."""
+
+    def __init__(self, scheme: LinearScheme) -> None:
+        self.scheme = scheme
+
+    def export(
+        self, prefix: str, weight: torch.Tensor, input_scale: float
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.scheme.export(prefix, weight, input_scale)

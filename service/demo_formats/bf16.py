@@ -4,24 +4,16 @@ The daemon does not process it: engines load it with vLLM's loader and donate it
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
-
-import torch
 
 from modelopt_fp8.checkpoint.architecture import LinearSpec
 from modelopt_fp8.schemes import unquantized
-from service.demo_formats.base import DemoFormat
+from service.demo_formats.base import SchemeFormat
 
 
-class Bf16(DemoFormat):
+class Bf16(SchemeFormat):
     name = "bf16"
     kv_cache_scales = False
-
-    def export(
-        self, prefix: str, weight: torch.Tensor, input_scale: float
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        return unquantized.SCHEME.export(prefix, weight, input_scale)
 
     def check_layer(self, spec: LinearSpec) -> None:
         """Any shape."""
@@ -30,4 +22,4 @@ class Bf16(DemoFormat):
         return None
 
 
-FORMAT = Bf16()
+FORMAT = Bf16(unquantized.SCHEME)

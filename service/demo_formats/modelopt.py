@@ -4,33 +4,25 @@ weight as the scheme quantizes it, the ``modelopt`` quantization config and
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
-
-import torch
 
 from modelopt_fp8.checkpoint.architecture import LinearSpec
 from modelopt_fp8.schemes import LinearScheme
 from protocol.version import __version__
-from service.demo_formats.base import DemoFormat
+from service.demo_formats.base import SchemeFormat
 
 PRODUCER = {"name": "weight-cache-demo", "version": __version__}
 EXCLUDED = ["lm_head", "model.embed_tokens"]
 
 
-class ModelOptFormat(DemoFormat):
+class ModelOptFormat(SchemeFormat):
     kv_cache_scales = True
 
     def __init__(self, scheme: LinearScheme) -> None:
         assert scheme.quant_algo is not None, "the excluded layers' scheme is no export format"
-        self.scheme = scheme
+        super().__init__(scheme)
         self.algo: str = scheme.quant_algo
         self.name = scheme.demo_name
-
-    def export(
-        self, prefix: str, weight: torch.Tensor, input_scale: float
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.scheme.export(prefix, weight, input_scale)
 
     def check_layer(self, spec: LinearSpec) -> None:
         """Any shape (the daemon pads what CUTLASS needs)."""
