@@ -8,15 +8,11 @@ import threading
 import pytest
 
 from protocol.errors import (
-    DaemonRestartedError,
     InvalidRequestError,
     ModelNotFoundError,
     NothingParkedError,
     ParkingNotFoundError,
     RegistrationNotYoursError,
-    TooManyClientParkedError,
-    TooManyParkedError,
-    TooManyUserParkedError,
 )
 from protocol.schemas.parking import ParkRequest, ParkState, ReleaseCause
 from service.registry.lease_holders import Caller, Holder
@@ -198,27 +194,13 @@ def test_cancel_takes_the_whole_group_out_of_the_queue() -> None:
     assert lot.states()["b/0"] is ParkState.released  # the cancelled one is skipped
 
 
-def test_withdraw_forgets_and_unknown_ids_say_why() -> None:
+def test_withdraw_forgets() -> None:
     lot = Lot()
     entry = lot.park("a")
     assert lot.lot.get(entry.id, now=1.0, caller=OWNER) is entry
     lot.lot.withdraw(entry.id, caller=OWNER)
     with pytest.raises(ParkingNotFoundError):
         lot.lot.get(entry.id, now=1.0, caller=OWNER)
-    with pytest.raises(DaemonRestartedError):
-        lot.lot.get("0ld.0123", now=1.0, caller=OWNER)
-
-
-def test_caps_in_all_and_per_client() -> None:
-    lot = Lot(caps(total=3, per_client=2))
-    lot.park("a", pid=ME)
-    lot.park("b", pid=ME)
-    with pytest.raises(TooManyClientParkedError):
-        lot.park("c", pid=ME)
-    lot.park("c", pid=1)
-    with pytest.raises(TooManyParkedError):
-        lot.park("d", pid=2)
-    assert len(lot.lot.entries(caller=OWNER)) == 3
 
 
 def test_bad_groups_and_unknown_models_are_refused() -> None:
@@ -273,9 +255,9 @@ def test_if_serving_waits_only_while_an_engine_holds_a_lease() -> None:
 
 
 def test_a_registration_is_its_users_alone() -> None:
-    """Another user neither sees, releases, cancels, withdraws nor joins a user's parked engine;
-    one user holds at most its share."""
-    lot = Lot(caps(per_uid=2))
+    """Another user neither sees, releases, cancels, withdraws nor joins a user's parked engine
+    (test_waiting_rooms holds the caps and reads)."""
+    lot = Lot()
     owner, neighbour = (
         Caller(uid=4242, pid=None, via="unix"),
         Caller(uid=4343, pid=None, via="unix"),
@@ -294,9 +276,7 @@ def test_a_registration_is_its_users_alone() -> None:
     lot.park("a", 1, tp=2, uid=4242)
     with pytest.raises(NothingParkedError):  # none of the neighbour's own
         lot.lot.release_oldest("m", None, ReleaseCause.operator, 1.0, neighbour)
-    with pytest.raises(TooManyUserParkedError):
-        lot.park("b", uid=4242)
-    lot.park("c", uid=4343)  # the other user keeps its room
+    lot.park("c", uid=4343)
     released = lot.lot.release_oldest("m", 2, ReleaseCause.operator, 1.0, owner)
     assert {p.state for p in released} == {ParkState.released}
 
