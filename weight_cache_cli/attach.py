@@ -56,14 +56,13 @@ def _pick_model(client: DaemonClient) -> str:
     return ready[0]
 
 
-@click.command("attach")
+@click.command("attach", context_settings={"show_default": True})
 @daemon_options
 @click.option("--model", "model_id", help="Model id (default: the only ready model).")
 @click.option(
     "--tp-rank",
     type=click.IntRange(min=0),
     default=0,
-    show_default=True,
     help="The tensor-parallel rank to lease, as an engine's worker of that rank would.",
 )
 @click.option(
@@ -72,12 +71,9 @@ def _pick_model(client: DaemonClient) -> str:
     "tp_size",
     type=click.IntRange(min=1),
     default=1,
-    show_default=True,
     help="The TP size the model was loaded with (the daemon's --tensor-parallel-size).",
 )
-@click.option(
-    "--device", default="auto", show_default=True, help="auto (cuda:0 when present), cpu or cuda:N."
-)
+@click.option("--device", default="auto", help="auto (cuda:0 when present), cpu or cuda:N.")
 @click.option(
     "--checkpoint",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
@@ -87,7 +83,6 @@ def _pick_model(client: DaemonClient) -> str:
     "--identity",
     type=click.Choice(IDENTITY_TIERS),
     default="sampled",
-    show_default=True,
     help="How to check the checkpoint is the daemon's (full: hash every byte).",
 )
 @click.option("--check", is_flag=True, help="Compare every layer with an ordinary disk load.")

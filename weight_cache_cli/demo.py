@@ -12,13 +12,12 @@ SCHEMES = ("fp8", "fp8-pc-pt", "fp8-block", "bf16")
 SHAPES = ("tiny", "tiny-128", "qwen2.5-0.5b", "llama-8b")
 
 
-@click.command("demo-checkpoint")
+@click.command("demo-checkpoint", context_settings={"show_default": True})
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
     "--scheme",
     type=click.Choice(SCHEMES),
     default="fp8",
-    show_default=True,
     help="The export format: fp8 is ModelOpt's FP8 (per-tensor scales), fp8-pc-pt its "
     "FP8_PER_CHANNEL_PER_TOKEN (both processed by the daemon); fp8-block is block FP8 as "
     "Qwen3-FP8 exports it (128x128 blocks, weight_scale_inv), bf16 is unquantized (both loaded "
@@ -28,7 +27,6 @@ SHAPES = ("tiny", "tiny-128", "qwen2.5-0.5b", "llama-8b")
     "--shape",
     type=click.Choice(SHAPES),
     default="tiny",
-    show_default=True,
     help="The model's dimensions: tiny (the demo model, 128 KiB), tiny-128 (1 to 2 MiB, widths "
     "block FP8's blocks divide), qwen2.5-0.5b's or Llama-3.1-8B's (9.1 GB).",
 )
@@ -36,20 +34,17 @@ SHAPES = ("tiny", "tiny-128", "qwen2.5-0.5b", "llama-8b")
     "--seed",
     type=int,
     default=0,
-    show_default=True,
     help="Seed of the random weights: another seed is another checkpoint of the same shape.",
 )
 @click.option(
     "--shard-size-mb",
     type=click.IntRange(min=1),
     default=4096,
-    show_default=True,
     help="Split safetensors files above this size, with an index.",
 )
 @click.option(
     "--device",
     default="cpu",
-    show_default=True,
     help="Draw the random weights here (cuda writes an 8B shape in seconds; other values).",
 )
 def demo_checkpoint(
