@@ -2,7 +2,7 @@
 a script: ``python -m harness.cpu_engine CHECKPOINT RESULT [--url DAEMON_URL]``; with a URL it
 loads through ``--load-format weight_cache``, else with vLLM's default loader). It writes one
 JSON object (:class:`EngineResult`) to ``RESULT``: the tokens, the model load's seconds, and
-what the loader said: that it attached, or why it fell back.
+what the loader said: that it attached, that it donated its load, or why it fell back.
 
 Start it with ``tests/vllm/startup`` on ``PYTHONPATH`` (a plain AVX2 host, as the vLLM tests see
 it). The KV cache is bfloat16: vLLM's CPU attention takes an FP8 one only with AVX-512."""
@@ -21,6 +21,7 @@ from engine_client.fallback import FALLING_BACK
 PROMPT = [1, 2, 3, 4, 5]
 MAX_TOKENS = 8
 ATTACHED = "weight-cache: attached "  # how the loader's line saying it attached begins
+DONATED = "weight-cache: donated "  # how the loader's line saying it donated its load begins
 
 
 class EngineResult(BaseModel):
@@ -29,6 +30,7 @@ class EngineResult(BaseModel):
     tokens: list[int]
     loading_s: float
     attached: str | None = None  # the loader's "attached N tensors ..." line
+    donated: str | None = None  # the loader's "donated MODEL (N tensors)" line
     fallback: str | None = None  # the loader's "falling back ... (reason): ..." line
 
 
@@ -38,12 +40,15 @@ class LoaderReport(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.attached: str | None = None
+        self.donated: str | None = None
         self.fallback: str | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
         if message.startswith(ATTACHED):
             self.attached = message
+        elif message.startswith(DONATED):
+            self.donated = message
         elif FALLING_BACK in message:
             self.fallback = message
 
@@ -91,6 +96,7 @@ def run(checkpoint: Path, url: str | None) -> EngineResult:
         tokens=list(out.outputs[0].token_ids),
         loading_s=loads[-1],
         attached=report.attached,
+        donated=report.donated,
         fallback=report.fallback,
     )
 

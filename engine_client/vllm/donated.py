@@ -288,11 +288,12 @@ def _place(module: nn.Module, role: DonatedTensorRole, value: torch.Tensor) -> t
 
 
 def _drop_unlisted(model: nn.Module, listed: set[str]) -> None:
-    """Remove the tensors the build made that the donor's processing no longer had."""
+    """Remove the tensors the build made that the donor's processing no longer had; a slot
+    the build registered empty (``bias`` None) stays, as forward reads it."""
     for module_name, module in model.named_modules(remove_duplicate=False):
         prefix = f"{module_name}." if module_name else ""
         for store in (module._parameters, module._buffers):
-            for leaf in [k for k in store if prefix + k not in listed]:
+            for leaf in [k for k, v in store.items() if v is not None and prefix + k not in listed]:
                 del store[leaf]
         for leaf in [
             k

@@ -99,6 +99,9 @@ def model_state(model: nn.Module) -> ModelState:
             for k, v in vars(module).items()
             if isinstance(v, torch.Tensor) and k not in ("_parameters", "_buffers")
         ]
+        for kind, store in (("param", module._parameters), ("buffer", module._buffers)):
+            # A slot registered empty (``bias`` None): forward reads it as an attribute.
+            tensors.update({prefix + k: (kind, None) for k, v in store.items() if v is None})
         for kind, leaf, value in named:
             name = prefix + leaf
             tensors[name] = (kind, *_tensor(value))

@@ -2,7 +2,8 @@
 loaded by the first engine with vLLM's default loader and donated; the next engine attaches to
 it. Both hold exactly what vLLM's default loader leaves (every parameter, buffer and tensor
 attribute, by bytes; sharing; every plain and callable attribute of every module, quant method
-and kernel), and every tensor of both points into the daemon's arena."""
+and kernel), and every tensor of both points into the daemon's arena. Run as engines (``LLM``,
+each in its own process), a donor and an attacher generate the default loader's tokens."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ import torch
 
 from harness.checkpoint_tools import dequantized
 from harness.daemon_process import DaemonProcess, free_port, start_daemon
+from harness.engine_demo import run_engine
 from protocol.reasons import Reason
 from protocol.schemas.donated import DonationKey
+from service.demo import write_demo_checkpoint
 from tests.conftest import FIXTURES
 from tests.vllm.model_state import ModelState, model_state
 from tests.vllm.vllm_model import configs, vllm_world
@@ -107,6 +110,30 @@ def test_donor_and_attacher_equal_the_default_loader(
     assert donated[0]["donor"]["pid"] == os.getpid()
     donor_loader.attachment.close()
     attacher_loader.attachment.close()
+
+
+def test_engines_donate_then_attach_and_generate_the_default_loaders_tokens(
+    tmp_path: Path, daemon: DaemonProcess
+) -> None:
+    """Three ``LLM`` engines, each in its own process, on the demo's bf16 checkpoint: vLLM's
+    default loader, then a ``weight_cache`` engine that donates its load, then one that attaches
+    to that donation. Greedy tokens equal, neither falls back, and the daemon holds one donated
+    model."""
+    checkpoint = write_demo_checkpoint(tmp_path / "bf16", "bf16", "tiny")
+    default = run_engine(checkpoint, None, tmp_path / "default.log")
+    donor = run_engine(checkpoint, daemon.url, tmp_path / "donor.log")
+    attacher = run_engine(checkpoint, daemon.url, tmp_path / "attacher.log")
+
+    assert len(default.tokens) > 0
+    assert donor.tokens == default.tokens
+    assert attacher.tokens == default.tokens
+    assert donor.fallback is None and attacher.fallback is None, (donor, attacher)
+    assert donor.donated is not None and attacher.donated is None
+    with httpx.Client(base_url=daemon.url) as http:
+        (donated,) = [m for m in http.get("/v1/models").json() if m["donor"] is not None]
+    assert donated["id"] in donor.donated
+    assert attacher.attached is not None
+    assert attacher.attached.startswith(f"weight-cache: attached donated model {donated['id']} (")
 
 
 def test_with_the_daemon_down_an_engine_loads_its_own(checkpoints: dict[str, Path]) -> None:
