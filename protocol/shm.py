@@ -55,13 +55,3 @@ def map_path(path: Path, nbytes: int, writable: bool = False) -> torch.Tensor:
 
 def _protection(writable: bool) -> int:
     return mmap.PROT_READ | mmap.PROT_WRITE if writable else mmap.PROT_READ
-
-
-def map_fd_read_only(fd: int, nbytes: int) -> torch.Tensor:
-    """:func:`map_fd`, read-only: how a lease holder maps its arena."""
-    return map_fd(fd, nbytes)
-
-
-def map_read_only(path: Path, nbytes: int) -> torch.Tensor:
-    """:func:`map_path`, read-only: how a lease holder maps its arena by its path."""
-    return map_path(path, nbytes)

@@ -36,7 +36,7 @@ from protocol.checksum import storage_checksum
 from protocol.errors import ParkEndedError
 from protocol.schemas.leases import LeaseGrant
 from protocol.schemas.manifest import ShmHandle
-from protocol.shm import map_read_only
+from protocol.shm import map_path
 
 
 def lease(url: str, model: str, ttl: float = 60.0) -> LeaseGrant:
@@ -117,7 +117,7 @@ def main() -> None:
     if mode == "hold":
         print(json.dumps({"lease": grant.lease.id}), flush=True)
         time.sleep(600)
-    base = map_read_only(Path(handle.path), handle.size)
+    base = map_path(Path(handle.path), handle.size)
     if mode == "write":
         print("writing", flush=True)
         base[0] = 1  # PROT_READ mapping: this faults

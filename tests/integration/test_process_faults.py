@@ -19,7 +19,7 @@ from engine_client.verify import Expectations
 from harness.daemon_process import free_port, lease_body, start_daemon
 from harness.waiting import wait_for
 from protocol.errors import DaemonRestartedError
-from protocol.shm import map_read_only
+from protocol.shm import map_path
 from service.demo import write_demo_checkpoint
 from service.memory.shm import arena_dir_path
 
@@ -134,7 +134,7 @@ def test_unload_racing_leases_never_frees_a_leased_arena(tmp_path: Path, tiny_fp
                 grant = r.json()
                 handle = grant["arenas"][0]["handle"]
                 try:
-                    view = map_read_only(Path(handle["path"]), handle["size"])
+                    view = map_path(Path(handle["path"]), handle["size"])
                     del view
                 except OSError as exc:
                     problems.append(f"leased arena missing: {exc}")

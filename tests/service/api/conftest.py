@@ -17,7 +17,7 @@ from harness.waiting import wait_for
 from protocol.schemas.leases import LeaseGrant
 from protocol.schemas.manifest import ShmHandle
 from protocol.schemas.models import ModelState
-from protocol.shm import map_read_only
+from protocol.shm import map_path
 from service.api.app import create_app
 from service.daemon import Daemon
 from service.memory.shm import arena_dir_path
@@ -52,7 +52,7 @@ class Served:
         """The shared-memory arena ``grant`` lends, mapped read-only as an engine maps it."""
         handle = grant.arenas[0].handle
         assert isinstance(handle, ShmHandle)
-        return map_read_only(Path(handle.path), handle.size)
+        return map_path(Path(handle.path), handle.size)
 
     def snapshot(self) -> dict[str, Any]:
         """What must not change when a request is refused."""

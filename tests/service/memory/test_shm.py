@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from protocol.errors import InsufficientMemoryError, ShmDirError
-from protocol.shm import map_read_only
+from protocol.shm import map_path
 from service.memory.shm import (
     FILE_PREFIX,
     ArenaDir,
@@ -33,12 +33,12 @@ def arenas(tmp_path: Path):
 def test_read_only_mapping_sees_writes_and_refuses_its_own(arenas: ArenaDir) -> None:
     arena = ShmFile(arenas, "b00t", "m-r0", 4096)
     arena.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
-    view = map_read_only(arena.path, 4096)
+    view = map_path(arena.path, 4096)
     assert view[:4].tolist() == [1, 2, 3, 4]
     arena.tensor[0] = 9  # the daemon's writes are visible: same pages, no copy
     assert view[0].item() == 9
     with pytest.raises(ValueError, match="manifest says"):
-        map_read_only(arena.path, 8192)
+        map_path(arena.path, 8192)
     del view
     arena.close()
     assert not arena.path.exists()
@@ -47,7 +47,7 @@ def test_read_only_mapping_sees_writes_and_refuses_its_own(arenas: ArenaDir) -> 
 def test_unlinking_keeps_an_engines_mapping(arenas: ArenaDir) -> None:
     arena = ShmFile(arenas, "b00t", "m-r0", 4096)
     arena.tensor.fill_(7)
-    view = map_read_only(arena.path, 4096)
+    view = map_path(arena.path, 4096)
     arena.close()  # the daemon unloads
     assert not arena.path.exists()
     assert int(view.sum()) == 7 * 4096  # memory is not freed under the engine
