@@ -20,6 +20,7 @@ from torch import nn
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
 from engine_client.attach import Attachment
+from engine_client.vllm.engine_start import checkpoint_digests
 from engine_client.vllm.internals import (
     kernel_of,
     parameter_like,
@@ -30,7 +31,6 @@ from engine_client.vllm.internals import (
 )
 from engine_client.vllm.runtime_state import build_runtime_state, require_materialized
 from modelopt_fp8.checkpoint import IdentityTier
-from modelopt_fp8.checkpoint.fingerprint import checkpoint_fingerprint
 from protocol.devices import Placement
 from protocol.errors import VerificationError
 from protocol.reasons import Reason
@@ -47,6 +47,8 @@ __all__ = ["bind_donated", "capture", "donation_key", "known_fields", "processed
 _PLAIN = (int, float, bool, str, type(None))
 _SKIPPED = frozenset({"training", "_parameters", "_buffers", "_modules"})
 OWNERS = ("module", "quant_method", "kernel")
+# The checkpoint's identity tiers a donated model's key names (the cheap ones).
+KEY_TIERS = (IdentityTier.files, IdentityTier.sampled, IdentityTier.hf_blob)
 
 
 # --- the key --------------------------------------------------------------------------------
@@ -62,10 +64,7 @@ def known_fields(
 ) -> dict[str, Any]:
     """The fields of this rank's key known before the model is built: all but the model class
     and the kernels vLLM picks."""
-    tiers = {
-        t: checkpoint_fingerprint(checkpoint, t).digest
-        for t in (IdentityTier.files, IdentityTier.sampled, IdentityTier.hf_blob)
-    }
+    tiers = checkpoint_digests(vllm_config, checkpoint, KEY_TIERS)
     kind = DeviceKind.cuda if device.type == "cuda" else DeviceKind.cpu
     if kind is DeviceKind.cuda:
         identity = Placement(kind, device.index).identity()

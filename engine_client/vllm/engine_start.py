@@ -1,5 +1,5 @@
-"""What an engine start learns before it attaches: the checkpoint's identity, read once, and the
-daemon's model for it.
+"""What an engine start learns before it attaches: the checkpoint's identity (and a donated
+model's key digests), read once, and the daemon's model for it.
 
 vLLM's worker calls the loader twice per engine start, each time on a loader it builds afresh
 (``get_model_loader`` makes one per call): ``get_external_weight_memory`` in the worker's
@@ -21,12 +21,14 @@ from engine_client.client import ClientConfig, DaemonClient
 from engine_client.loader_options import LoaderOptions
 from engine_client.verify import EngineCheckpoint
 from modelopt_fp8.checkpoint import IdentityTier
+from modelopt_fp8.checkpoint.fingerprint import checkpoint_fingerprint
 from modelopt_fp8.checkpoint.locate import local_checkpoint as locate_local_checkpoint
 from protocol.errors import ModelNotFoundError, VerificationError
 from protocol.reasons import Reason
 from protocol.schemas.models import ModelInfo, ModelState
 
 __all__ = [
+    "checkpoint_digests",
     "checkpoint_identity",
     "daemon_model",
     "local_checkpoint",
@@ -81,6 +83,21 @@ def checkpoint_identity(
     engine start (``vllm_config``); a failed read is not kept, so the load reads again and
     reports it."""
     return _read_identity(_SameObject(vllm_config), local_checkpoint(model_config), tier)
+
+
+@functools.lru_cache(maxsize=1)
+def _read_digests(
+    engine_start: _SameObject, checkpoint: Path, tiers: tuple[IdentityTier, ...]
+) -> dict[IdentityTier, str | None]:
+    return {t: checkpoint_fingerprint(checkpoint, t).digest for t in tiers}
+
+
+def checkpoint_digests(
+    vllm_config: Any, checkpoint: Path, tiers: tuple[IdentityTier, ...]
+) -> dict[IdentityTier, str | None]:
+    """The checkpoint's digest at each of ``tiers`` (a donated model's key), read from its files
+    once per engine start (``vllm_config``), as :func:`checkpoint_identity` is."""
+    return _read_digests(_SameObject(vllm_config), checkpoint, tiers)
 
 
 def daemon_model(

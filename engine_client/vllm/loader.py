@@ -53,7 +53,7 @@ from engine_client.vllm.internals import forget_build_on_error, freeze_startup_h
 from engine_client.vllm.load_steps import LOAD_STEPS, Load
 from engine_client.vllm.startup import before_memory_snapshot, fit_standby_budget
 from engine_client.vllm.steps import run_steps
-from protocol.errors import ModelNotFoundError, VerificationError, WeightCacheError
+from protocol.errors import VerificationError, WeightCacheError
 from protocol.logsafe import get_logger
 from protocol.reasons import Reason
 
@@ -142,15 +142,17 @@ class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
     def daemon_rank_bytes(self, vllm_config: Any, config: ClientConfig | None = None) -> int:
         """Weight bytes the daemon holds for this rank (outside the engine's allocator): its
         model of this checkpoint, else the donated model this engine will attach to; 0 where it
-        holds none for this engine. Asks the daemon and changes nothing; the checkpoint's
-        identity it reads is kept for the load of this engine start."""
+        holds none for this engine. The donated way is taken where the load takes it
+        (:func:`.donation_load.donates`: a checkpoint the daemon does not process). Asks the
+        daemon and changes nothing; what it reads of the checkpoint is kept for the load of this
+        engine start."""
         model_config = vllm_config.model_config
         try:
             config = config or self.options.client_config()
             try:
                 chosen = daemon_model(config, self.options, vllm_config, model_config)
-            except ModelNotFoundError:
-                if self.options.donate is False:
+            except WeightCacheError as exc:
+                if not donates(exc, self.options):
                     return 0
                 device = target_device(vllm_config)
                 return donated_rank_bytes(vllm_config, model_config, config, device)

@@ -136,6 +136,51 @@ def test_engines_donate_then_attach_and_generate_the_default_loaders_tokens(
     assert attacher.attached.startswith(f"weight-cache: attached donated model {donated['id']} (")
 
 
+def test_an_engine_start_reads_the_keys_checkpoint_digests_once(
+    checkpoints: dict[str, Path], daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM asks the loader for the weights held outside the engine, then loads: both need the
+    donated key's checkpoint digests, read from the files once per engine start."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+
+    import engine_client.vllm_plugin
+    from engine_client.vllm.donated import KEY_TIERS
+    from modelopt_fp8.checkpoint.fingerprint import checkpoint_fingerprint as fingerprint
+
+    engine_client.vllm_plugin.register()
+    read: list[object] = []
+
+    def counted(directory: Path, tier: Any, headers: Any = None) -> Any:
+        read.append(tier)
+        return fingerprint(directory, tier, headers)
+
+    monkeypatch.setattr("engine_client.vllm.engine_start.checkpoint_fingerprint", counted)
+    options = {"url": daemon.url, "fallback": False}
+    vllm_config, model_config = configs(
+        checkpoints["llama"], load_format="weight_cache", extra=options
+    )
+    model_config.max_model_len = 256
+    with set_current_vllm_config(vllm_config), vllm_world(1, 0, free_port()):
+        assert get_model_loader(vllm_config.load_config).daemon_rank_bytes(vllm_config) == 0
+        loader = get_model_loader(vllm_config.load_config)
+        loader.load_model(vllm_config, model_config)
+    assert loader.donated is not None, loader.donation_error
+    assert sorted(map(str, read)) == sorted(map(str, KEY_TIERS))
+
+    # The next engine start counts the donated model it will attach to as held outside it.
+    vllm_config, model_config = configs(
+        checkpoints["llama"], load_format="weight_cache", extra=options
+    )
+    model_config.max_model_len = 256
+    with set_current_vllm_config(vllm_config), vllm_world(1, 0, free_port()):
+        held = get_model_loader(vllm_config.load_config).daemon_rank_bytes(vllm_config)
+    with httpx.Client(base_url=daemon.url) as http:
+        (donated,) = [m for m in http.get("/v1/models").json() if m["id"] == loader.donated]
+    assert held == donated["bytes_resident"] > 0
+    loader.attachment.close()
+
+
 def test_with_the_daemon_down_an_engine_loads_its_own(checkpoints: dict[str, Path]) -> None:
     """No daemon to ask for a donation: the engine loads what vLLM's default loader loads and
     says why it does not share; with ``fallback`` off it raises why instead."""
