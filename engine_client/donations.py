@@ -149,7 +149,8 @@ def _write(
     offer: DonationOffer, tensors: Mapping[str, torch.Tensor], handle_socket: str | None
 ) -> list[TensorEntry]:
     """Copy every tensor's span into the offered arena, mapped read-write (host shared memory,
-    or a shareable allocation on this engine's GPU: a copy on the GPU), and describe it."""
+    or a shareable allocation on this engine's GPU: a copy on the GPU, or from the host for the
+    few tensors vLLM keeps there), and describe it."""
     descriptor = ArenaDescriptor(index=0, nbytes=offer.nbytes, handle=offer.handle)
     opened = open_arena(descriptor, offer.model, handle_socket, writable=True)
     base = opened.base
@@ -162,7 +163,7 @@ def _write(
             )
         entries = []
         for name, tensor in tensors.items():
-            if tensor.device != base.device:
+            if tensor.device not in (base.device, torch.device("cpu")):
                 raise VerificationError(
                     f"{name} is on {tensor.device}, the arena on {base.device}: an attacher "
                     "would get it on another device",
@@ -201,8 +202,8 @@ def donate(
     tensors: Mapping[str, torch.Tensor],
     state: DonatedState,
 ) -> str:
-    """Give the daemon ``tensors`` (by name, one per tensor object; on the CPU, or all on the
-    GPU the key names) under ``key`` with ``state``; returns the donated model's id."""
+    """Give the daemon ``tensors`` (by name, one per tensor object; on the CPU, or on the GPU
+    the key names and the host) under ``key`` with ``state``; returns the donated model's id."""
     request = DonationRequest(key=key, tensors=donated_specs(tensors), client_pid=os.getpid())
     with DaemonClient(config) as client:
         offer = client.send(offer_call(request))

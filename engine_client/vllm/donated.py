@@ -154,9 +154,12 @@ def snapshot(model: nn.Module) -> Snapshot:
     return out
 
 
-def _tensor_roles(model: nn.Module) -> tuple[list[DonatedTensorRole], dict[str, torch.Tensor]]:
+def _tensor_roles(
+    model: nn.Module, device: torch.device
+) -> tuple[list[DonatedTensorRole], dict[str, torch.Tensor]]:
     """Every parameter, buffer and tensor attribute (in ``named_modules`` order, sharing kept as
-    aliases), and the tensors to copy: one per tensor object."""
+    aliases; those held on the host while the model is on ``device``, another device, marked),
+    and the tensors to copy: one per tensor object."""
     roles: list[DonatedTensorRole] = []
     tensors: dict[str, torch.Tensor] = {}
     first: dict[int, str] = {}
@@ -180,6 +183,7 @@ def _tensor_roles(model: nn.Module) -> tuple[list[DonatedTensorRole], dict[str, 
                     parameter_class=type(value).__name__ if kind == "param" else None,
                     requires_grad=value.requires_grad,
                     alias_of=None if alias == name else alias,
+                    on_host=value.device.type == "cpu" and device.type != "cpu",
                 )
             )
             if alias == name:
@@ -187,9 +191,11 @@ def _tensor_roles(model: nn.Module) -> tuple[list[DonatedTensorRole], dict[str, 
     return roles, tensors
 
 
-def capture(model: nn.Module, before: Snapshot) -> tuple[DonatedState, dict[str, torch.Tensor]]:
+def capture(
+    model: nn.Module, before: Snapshot, device: torch.device
+) -> tuple[DonatedState, dict[str, torch.Tensor]]:
     """The state an attacher sets besides the tensors, and the tensors, of a model vLLM loaded
-    and processed; ``before``: its :func:`snapshot` right after it was built."""
+    and processed on ``device``; ``before``: its :func:`snapshot` right after it was built."""
     after = snapshot(model)
     modules = dict(model.named_modules())
     attributes: dict[str, PlainAttribute] = {}
@@ -219,7 +225,7 @@ def capture(model: nn.Module, before: Snapshot) -> tuple[DonatedState, dict[str,
             "remove by name",
             reason=Reason.donation_unsupported,
         )
-    roles, tensors = _tensor_roles(model)
+    roles, tensors = _tensor_roles(model, device)
     return DonatedState(roles=roles, attributes=attributes, runtime=runtime), tensors
 
 
@@ -323,7 +329,12 @@ def bind_donated(model: nn.Module, attachment: Attachment, device: torch.device)
                 reason=Reason.bind_failed,
                 tensor=role.name,
             )
-        value = placed[role.alias_of] if role.alias_of else attachment.tensors[role.name]
+        if role.alias_of:
+            value = placed[role.alias_of]
+        elif role.on_host:  # a copy: the arena is on the GPU, the donor held it on the host
+            value = attachment.tensors[role.name].to("cpu", copy=True)
+        else:
+            value = attachment.tensors[role.name]
         placed[role.name] = _place(module, role, value)
     _drop_unlisted(model, {role.name for role in state.roles})
     build_runtime_state(model, device)

@@ -227,7 +227,7 @@ def _load_and_donate(load: LoadInputs, missing: _NoDonation) -> DonatedLoad:
             ", ".join(found.differs),
         )
     try:
-        state, tensors = capture(model, before)
+        state, tensors = capture(model, before, device)
         try:
             model_id = donate(config, missing.key, tensors, state)
         except VerificationError:

@@ -92,7 +92,9 @@ class PlainAttribute(BaseModel):
 
 class DonatedTensorRole(BaseModel):
     """How one tensor sits on its module: a parameter (of which class), a buffer, or a plain
-    tensor attribute; ``alias_of``: the first name holding the same tensor (a tied head)."""
+    tensor attribute; ``alias_of``: the first name holding the same tensor (a tied head);
+    ``on_host``: the donor held it in host memory beside a GPU arena (vLLM keeps host copies of
+    attention scales), so an engine copies it back to the host from the arena."""
 
     model_config = _FROZEN
 
@@ -101,6 +103,7 @@ class DonatedTensorRole(BaseModel):
     parameter_class: str | None = Field(default=None, description="the parameter's class name")
     requires_grad: bool = False
     alias_of: str | None = None
+    on_host: bool = False
 
 
 class DonatedState(BaseModel):

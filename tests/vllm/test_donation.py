@@ -16,11 +16,16 @@ import httpx
 import pytest
 import torch
 
+from engine_client.attach import attach
+from engine_client.client import ClientConfig
+from engine_client.donations import donate
+from engine_client.verify import Expectations
 from harness.checkpoint_tools import dequantized
 from harness.daemon_process import DaemonProcess, free_port, start_daemon
+from harness.donating import key_for
 from harness.engine_demo import run_engine
 from protocol.reasons import Reason
-from protocol.schemas.donated import DonationKey
+from protocol.schemas.donated import DONATED_KERNEL, DonationKey
 from service.demo import write_demo_checkpoint
 from tests.conftest import FIXTURES
 from tests.vllm.model_state import ModelState, model_state
@@ -298,3 +303,45 @@ def test_an_engine_whose_key_differs_donates_its_own(
     assert keys[0].differences(keys[1]) == ["max_model_len"]
     first.attachment.close()
     second.attachment.close()
+
+
+class _Attention(torch.nn.Module):
+    """A weight on the model's device and a scale vLLM keeps on the host beside it, as its
+    attention layers keep ``_k_scale_cpu``."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(8, 4, device=device), requires_grad=False)
+        self._k_scale_cpu = torch.tensor(0.25)
+
+
+def test_a_tensor_the_donor_keeps_on_the_host_comes_back_to_the_host(
+    checkpoints: dict[str, Path], daemon: DaemonProcess
+) -> None:
+    """On a GPU, vLLM keeps a few tensors on the host (attention scales): the donor copies them
+    into its GPU arena with the rest, marked, and an engine binds them back as host copies,
+    where a GPU model's forward reads them. On the host nothing is marked."""
+    from engine_client.vllm.donated import bind_donated, capture, snapshot
+
+    on_gpu = _Attention("meta")  # the weight elsewhere than the host, as on a GPU
+    state, _ = capture(on_gpu, snapshot(on_gpu), torch.device("meta"))
+    assert {r.name: r.on_host for r in state.roles} == {"weight": False, "_k_scale_cpu": True}
+    donor = _Attention("cpu")
+    torch.nn.init.normal_(donor.weight)
+    cpu_state, tensors = capture(donor, snapshot(donor), torch.device("cpu"))
+    assert not any(r.on_host for r in cpu_state.roles)
+
+    config = ClientConfig.from_env(url=daemon.url)
+    model = donate(config, key_for(checkpoints["llama"]), tensors, state)
+    expect = Expectations(torch.device("cpu"), kernel=DONATED_KERNEL, supported_schemes=frozenset())
+    with attach(model, expect, config=config) as attachment:
+        engine = _Attention("meta")
+        bind_donated(engine, attachment, torch.device("cpu"))
+        arena = attachment.arena.base
+        assert arena is not None
+        inside = range(arena.data_ptr(), arena.data_ptr() + arena.numel())
+        assert engine.weight.data_ptr() in inside
+        assert engine._k_scale_cpu.data_ptr() not in inside
+        assert engine._k_scale_cpu.device.type == "cpu"
+        assert torch.equal(engine.weight, donor.weight)
+        assert torch.equal(engine._k_scale_cpu, donor._k_scale_cpu)
