@@ -121,6 +121,14 @@ class DaemonSettings(BaseSettings):
         shown="64KiB",
         ge=1024,
     )
+    max_donation_body_bytes: ByteSize = setting(
+        ByteSize(16 * 1024 * 1024),
+        flag="--max-donation-body-size",
+        help="Largest body of a donation's offer or commit (they list every tensor of a rank), "
+        "from a caller allowed to donate",
+        shown="16MiB",
+        ge=1024,
+    )
     default_ttl_s: float = setting(
         60.0,
         flag="--default-ttl",
@@ -317,7 +325,9 @@ class DaemonSettings(BaseSettings):
     def _paths(cls, value: Any) -> Any:
         return _split_paths(value)
 
-    @field_validator("memory_budget_bytes", "max_body_bytes", mode="before")
+    @field_validator(
+        "memory_budget_bytes", "max_body_bytes", "max_donation_body_bytes", mode="before"
+    )
     @classmethod
     def _size(cls, value: Any) -> Any:
         """A size as bytes or a number and a unit, said plainly when it is neither."""

@@ -14,7 +14,7 @@ from protocol.logsafe import get_logger
 from protocol.version import __version__
 from service.api import problems
 from service.api.auth import Authenticate
-from service.api.limits import BodySizeLimit
+from service.api.limits import BodySizeLimit, body_limits
 from service.api.routes import (
     donations,
     health,
@@ -92,7 +92,7 @@ def create_app(settings: DaemonSettings, daemon: Daemon | None = None) -> FastAP
         app.include_router(router)
     app.add_middleware(
         BodySizeLimit,
-        max_bytes=settings.max_body_bytes,
+        max_bytes=body_limits(settings, donations.router.prefix),
         on_refuse=daemon.count_refusal,
     )
     # Added last, so it runs first: who may call is decided before a body is read.

@@ -50,6 +50,21 @@ def test_another_user_cannot_donate(daemon: DaemonProcess, tiny_fp8: Path) -> No
 
 
 @needs_root
+def test_a_neighbour_cannot_send_a_donation_sized_body(
+    daemon: DaemonProcess, tiny_fp8: Path
+) -> None:
+    """The donation routes take bodies of megabytes from callers allowed to donate; anyone else
+    meets the general limit there, before the daemon reads the body."""
+    with UserAgent(daemon.url, NOBODY) as neighbour:
+        body = dict(_request(tiny_fp8, neighbour.pid), padding="x" * 200_000)
+        status, answer = neighbour.request("POST", "/v1/donations", body)
+    assert status == 413 and answer["code"] == "payload_too_large", answer
+    with httpx.Client(base_url=daemon.url) as http:
+        r = http.post("/v1/donations", json=body)  # the daemon's own user: past the limit
+        assert r.status_code == 422, r.text  # the padding is refused by the schema, not its size
+
+
+@needs_root
 @pytest.mark.parametrize("allowed", [False, True])
 def test_a_token_holder_donates_only_where_allowed(
     tmp_path: Path, tiny_fp8: Path, allowed: bool

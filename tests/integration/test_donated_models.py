@@ -79,6 +79,18 @@ def test_a_donation_is_leased_zero_copy_with_its_bytes(
         assert model in {m["id"] for m in inventory["models"]}
 
 
+def test_a_rank_of_many_tensors_is_donated(daemon: DaemonProcess, tiny_fp8: Path) -> None:
+    """A real model's rank lists hundreds of tensors (roles, entries, checksums): its offer and
+    commit exceed the general body limit and pass under the donation routes' own."""
+    tensors = {f"model.layers.{i}.scale": torch.full((2,), float(i)) for i in range(2000)}
+    model = donate_tensors(daemon.url, key_for(tiny_fp8), tensors)
+    with _attach(daemon.url, model) as attachment:
+        assert len(attachment.tensors) == 2000
+        assert torch.equal(
+            attachment.tensors["model.layers.1999.scale"], tensors["model.layers.1999.scale"]
+        )
+
+
 def test_a_modelopt_lease_on_a_donated_model_is_refused(
     daemon: DaemonProcess, tiny_fp8: Path
 ) -> None:
