@@ -20,8 +20,8 @@ import httpx
 
 from engine_client.client import ClientConfig, DaemonClient
 from harness.waiting import poll
-from protocol.schemas.health import Readiness
 from protocol.processes import process_tree
+from protocol.schemas.health import Readiness
 from tests.gpu.processes import LoggedProcess, read_chars
 
 

@@ -63,8 +63,9 @@ def judge(engine: str, found: Outcome, held: str | None) -> tuple[str, bool, obj
     when it started, it must have donated; else it must have attached to ``held``. A fallback
     names its reason in the check itself."""
     if held is None:
-        what, ok = f"{engine}: donated the model (no donated model held at its start)", (
-            found.way == "donated"
+        what, ok = (
+            f"{engine}: donated the model (no donated model held at its start)",
+            (found.way == "donated"),
         )
     else:
         what = f"{engine}: attached to the donated model {held}, not loading its own"

@@ -62,13 +62,13 @@ from typing import Any, NoReturn
 
 import yaml
 
+from engine_client.donations import list_call
 from harness.daemon_process import free_port
 from harness.waiting import poll
-from tests.gpu.caddy_proxy import CADDYFILE, CaddyProxy, find_caddy
-from tests.gpu.completions import RequestStream, StreamAccount
-from engine_client.donations import list_call
 from protocol.schemas.models import ModelState
 from service.demo import SCHEMES
+from tests.gpu.caddy_proxy import CADDYFILE, CaddyProxy, find_caddy
+from tests.gpu.completions import RequestStream, StreamAccount
 from tests.gpu.daemon_runner import DaemonCommand, ServedDaemon
 from tests.gpu.donation_lines import judge as judge_donation
 from tests.gpu.donation_lines import outcome as donation_outcome

@@ -521,12 +521,14 @@ def scheme_lines(summary: dict[str, Any]) -> list[str]:
         how = "processed by the daemon before any engine started"
     else:
         donation = summary.get("donation") or {}
+        made = ""
+        if donation.get("engine"):
+            made = f" ({donation['engine']}: {donation.get('model')}, "
+            made += f"{_gib(donation.get('bytes_resident'))})"
         how = (
             "donated: the daemon processes none of this scheme; the first `weight_cache` engine "
-            "loaded it with vLLM's default loader and donated it"
-            + (f" ({donation['engine']}: {donation.get('model')}, {_gib(donation.get('bytes_resident'))})"
-               if donation.get("engine") else "")
-            + ", the later ones attached to it"
+            f"loaded it with vLLM's default loader and donated it{made}, the later ones "
+            "attached to it"
         )
     return [f"Checkpoint: {scheme.get('shape')} in `{scheme.get('scheme')}`; weights {how}.", ""]
 
@@ -534,7 +536,7 @@ def scheme_lines(summary: dict[str, Any]) -> list[str]:
 def render(summary: dict[str, Any]) -> str:
     """The markdown the proof writes beside its summary."""
     out = ["# `vllm serve` restarts with and without weight-cache", ""]
-    out += [*scheme_lines(summary)]
+    out += scheme_lines(summary)
     daemon = summary.get("daemon") or {}
     if daemon.get("ready") and donated_scheme(summary):
         donation = summary.get("donation") or {}

@@ -107,9 +107,7 @@ def attach_or_donate(url: str, checkpoint: Path) -> object:
 
     config = ClientConfig.from_env(url=url)
     key = key_for(checkpoint)
-    expect = Expectations(
-        torch.device("cpu"), kernel=DONATED_KERNEL, supported_schemes=frozenset()
-    )
+    expect = Expectations(torch.device("cpu"), kernel=DONATED_KERNEL, supported_schemes=frozenset())
     try:
         found = find_donation(config, key)
         if found.model is not None:
