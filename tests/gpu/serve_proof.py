@@ -1,7 +1,7 @@
 """The restart proof: ``vllm serve`` as users run it (the OpenAI server, EngineCore in its own
 process, CUDA graphs and torch.compile on, ``--skip-tokenizer-init``, prompts as token ids,
-greedy, 16 tokens) on a llama-8b-shape FP8 demo checkpoint, one scenario after another in one
-run on one GPU:
+greedy, 16 tokens) on a llama-8b-shape demo checkpoint (ModelOpt FP8 unless ``--scheme`` says
+otherwise), one scenario after another in one run on one GPU:
 
 * ``restart``: vLLM's default loader (A) and ``--load-format weight_cache`` (B) alternating,
   ``--rounds`` of each (A1 B1 A2 B2), each timed from its process's start to ``/health`` and to

@@ -376,6 +376,7 @@ def test_daemon_flags_are_passed_only_when_chosen(tmp_path: Path) -> None:
     argv = kept.argv()
     assert argv[argv.index("--cuda-handles") + 1] == "fd"
     assert argv[argv.index("--keeper") + 1] == "external"
+    assert argv[argv.index("--model") + 1] == ""  # no models: none at start, not the demo's
     assert kept.keeper_argv()[-3:] == ["keeper", "--run-dir", str(tmp_path / "run")]
 
 
