@@ -40,6 +40,11 @@ from protocol.schemas.models import ModelInfo, ModelState
 
 log = get_logger(__name__)
 
+# What an engine logs of its donated load (``engine_client/vllm/donation_load.py``), defined once:
+# the restart proof reads them from an engine's output (``tests/gpu/donation_lines.py``).
+DONATED_LOG = "weight-cache: donated %s (%d tensors)"
+ATTACHED_LOG = "weight-cache: attached donated model %s (%d tensors)"
+
 
 # --- the calls --------------------------------------------------------------------------------
 

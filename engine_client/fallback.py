@@ -31,6 +31,8 @@ log = get_logger(__name__)
 FALLBACKS: collections.Counter[str] = collections.Counter()  # keys are Reason members
 PROMETHEUS_NAME = "weight_cache_engine_fallbacks"  # exposed as ..._total{reason}
 FALLING_BACK = "falling back to vLLM's default loader"  # what an engine does, as logged
+OWN_LOAD = "serving its own load"  # what a donated load does that cannot share, as logged
+FALLBACK_LOG = "weight-cache: %s (%s): %s"  # the action, the reason, the error's detail
 
 
 def _export_to_prometheus() -> None:
@@ -102,7 +104,7 @@ def record_fallback(error: WeightCacheError, action: str) -> Reason:
     """Log (once, here), count and return the reason an engine is not attaching."""
     reason = reason_of(error)
     FALLBACKS[reason] += 1
-    log.warning("weight-cache: %s (%s): %s", action, reason, error.detail)
+    log.warning(FALLBACK_LOG, action, reason, error.detail)
     return reason
 
 

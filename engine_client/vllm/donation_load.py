@@ -29,8 +29,15 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 
 from engine_client.attach import Attachment, attach
 from engine_client.client import ClientConfig
-from engine_client.donations import Found, donate, donated_bytes, find_donation
-from engine_client.fallback import own_failure_after, record_fallback
+from engine_client.donations import (
+    ATTACHED_LOG,
+    DONATED_LOG,
+    Found,
+    donate,
+    donated_bytes,
+    find_donation,
+)
+from engine_client.fallback import OWN_LOAD, own_failure_after, record_fallback
 from engine_client.loader_options import LoaderOptions
 from engine_client.verify import Expectations
 from engine_client.vllm.donated import (
@@ -190,18 +197,14 @@ def attach_or_donate(load: LoadInputs, fallback: bool) -> DonatedLoad:
     except WeightCacheError as exc:
         missing = exc.with_traceback(None)
     else:
-        log.info(
-            "weight-cache: attached donated model %s (%d tensors)",
-            found.model,
-            len(attachment.tensors),
-        )
+        log.info(ATTACHED_LOG, found.model, len(attachment.tensors))
         return DonatedLoad(model, attachment)
     # Outside the ``except``: what vLLM's own load raises is not chained onto why there was no
     # donation to attach.
     if isinstance(missing, WeightCacheError):
         if not fallback:
             raise missing
-        reason = record_fallback(missing, "serving its own load")
+        reason = record_fallback(missing, OWN_LOAD)
         with own_failure_after(reason):
             model, _ = processed_load(
                 load.create_model, load.load_weights, load.model_config, load.device
@@ -218,7 +221,7 @@ def _load_and_donate(load: LoadInputs, missing: _NoDonation) -> DonatedLoad:
         error: WeightCacheError = VerificationError(
             "another engine is donating this rank right now", reason=Reason.donation_refused
         )
-        reason = record_fallback(error, "serving its own load")
+        reason = record_fallback(error, OWN_LOAD)
         return DonatedLoad(model, None, reason=reason, error=error)
     if found.differs:
         log.warning(
@@ -241,8 +244,8 @@ def _load_and_donate(load: LoadInputs, missing: _NoDonation) -> DonatedLoad:
         del tensors
         attachment = _bound(model, config, model_id, device, missing.key)
     except WeightCacheError as exc:
-        reason = record_fallback(exc, "serving its own load")
+        reason = record_fallback(exc, OWN_LOAD)
         return DonatedLoad(model, None, reason=reason, error=exc)
     give_back_own_copy(device)
-    log.info("weight-cache: donated %s (%d tensors)", model_id, len(attachment.tensors))
+    log.info(DONATED_LOG, model_id, len(attachment.tensors))
     return DonatedLoad(model, attachment, donated=model_id)

@@ -24,6 +24,8 @@ from modelopt_fp8.schemes import LinearScheme
 class DemoFormat(abc.ABC):
     name: str  # its name in ``weight-cache demo-checkpoint --scheme``
     kv_cache_scales: bool  # writes the KV-cache scales of a shape that has them
+    # The daemon processes it (loads it with --model); else engines load it and donate it.
+    processed_by_daemon = False
 
     @abc.abstractmethod
     def export(

@@ -17,6 +17,7 @@ EXCLUDED = ["lm_head", "model.embed_tokens"]
 
 class ModelOptFormat(SchemeFormat):
     kv_cache_scales = True
+    processed_by_daemon = True
 
     def __init__(self, scheme: LinearScheme) -> None:
         assert scheme.quant_algo is not None, "the excluded layers' scheme is no export format"

@@ -21,13 +21,15 @@ import httpx
 from engine_client.client import ClientConfig, DaemonClient
 from harness.waiting import poll
 from protocol.processes import process_tree
+from protocol.schemas.health import Readiness
 from tests.gpu.processes import LoggedProcess, read_chars
 
 
 @dataclass
 class DaemonCommand:
     """``weight-cache serve`` for a proof. ``cuda_handles``, ``run_dir`` and ``keeper`` are
-    passed only when set (a daemon without them runs with its defaults)."""
+    passed only when set (a daemon without them runs with its defaults); no ``models``: the
+    daemon starts with none (engines donate to it)."""
 
     port: int
     device: str
@@ -48,6 +50,8 @@ class DaemonCommand:
         argv += ["--device", self.device, "--shm-dir", str(self.shm_dir)]
         for model in self.models:
             argv += ["--model", str(model)]
+        if not self.models:  # none at start (with no --model at all it loads its demo model)
+            argv += ["--model", ""]
         if self.model_id:
             argv += ["--model-id", self.model_id]
         if self.cuda_handles:
@@ -107,14 +111,18 @@ class ServedDaemon:
         )
         return self.process
 
-    def wait_ready(self, timeout: float) -> dict[str, Any]:
+    def wait_ready(self, timeout: float, holds_models: bool = True) -> dict[str, Any]:
         """Poll ``/health``, then ``/ready``; seconds from the process's start to each, the
-        models as the daemon reports them, and the bytes the process had read by then."""
+        models as the daemon reports them, and the bytes the process had read by then. A
+        daemon started to hold no model (``holds_models`` false: engines donate to it) answers
+        ``/ready`` 503 until one is donated; it is ready once ``/health`` answers and
+        ``/ready`` says it holds none and loads none (``readiness``)."""
         proc = self.process
         figures: dict[str, Any] = {"ready": False}
         deadline = time.monotonic() + timeout
+        paths = ("/health", "/ready") if holds_models else ("/health",)
         with httpx.Client(base_url=self.command.url, timeout=2) as client:
-            for path in ("/health", "/ready"):
+            for path in paths:
                 answered = poll(
                     functools.partial(_answers_200, client, path),
                     deadline - time.monotonic(),
@@ -126,7 +134,11 @@ class ServedDaemon:
                     figures["tail"] = [line.text for line in proc.lines()[-20:]]
                     return figures
                 figures[f"{path[1:]}_s"] = round(proc.since_start(), 3)
-        figures["ready"] = True
+            readiness = Readiness.model_validate_json(client.get("/ready").content)
+        figures["readiness"] = readiness.model_dump(mode="json")
+        figures["ready"] = readiness.ready or (
+            not holds_models and not readiness.models and not readiness.failed
+        )
         figures["read_bytes"] = read_chars(proc.pid)
         self.spawned.update(process_tree(proc.pid)[1:])
         with self.client() as daemon:

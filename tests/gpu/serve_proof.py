@@ -1,7 +1,7 @@
 """The restart proof: ``vllm serve`` as users run it (the OpenAI server, EngineCore in its own
 process, CUDA graphs and torch.compile on, ``--skip-tokenizer-init``, prompts as token ids,
-greedy, 16 tokens) on a llama-8b-shape FP8 demo checkpoint, one scenario after another in one
-run on one GPU:
+greedy, 16 tokens) on a llama-8b-shape demo checkpoint (ModelOpt FP8 unless ``--scheme`` says
+otherwise), one scenario after another in one run on one GPU:
 
 * ``restart``: vLLM's default loader (A) and ``--load-format weight_cache`` (B) alternating,
   ``--rounds`` of each (A1 B1 A2 B2), each timed from its process's start to ``/health`` and to
@@ -27,13 +27,21 @@ run on one GPU:
   alone would be run): the standby started beside the serving engine fits its budget into
   what is free.
 
+With ``--scheme`` a scheme the daemon does not process (``bf16``, ``fp8-block``: the demo
+writer's), the daemon starts with no model: the first ``weight_cache`` engine loads the checkpoint
+with vLLM's default loader and donates it, and every later one must attach to that donation
+(each engine's log is judged; one that served its own load fails a check naming why). The
+donated model is recorded (``donation``) and stands in for the daemon's own where a scenario
+needs the model; an engine started first (``donor``) donates it before scenarios that start
+engines at once; the parked scenario, which parks under the daemon's own model, is skipped.
+
 Token ids are compared with the default loader's; every process's GPU memory is read from the
 driver. Writes ``summary.json`` and ``table.md`` under ``--out`` after every step (a call cut off
 keeps what it measured), stops everything within ``--budget-s``, and exits 1 if a check failed.
 ``tests.gpu.serve_report`` merges the summaries of two calls.
 
 usage: python -m tests.gpu.serve_proof --out DIR [--scenarios restart parked standby daemon]
-       [--budget-s 540] [--rounds 2] [--root DIR] [--work DIR] [--caddyfile FILE]
+       [--scheme fp8] [--budget-s 540] [--rounds 2] [--root DIR] [--work DIR] [--caddyfile FILE]
 """
 
 from __future__ import annotations
@@ -54,11 +62,16 @@ from typing import Any, NoReturn
 
 import yaml
 
+from engine_client.donations import list_call
 from harness.daemon_process import free_port
 from harness.waiting import poll
+from protocol.schemas.models import ModelState
+from service.demo import SCHEMES
 from tests.gpu.caddy_proxy import CADDYFILE, CaddyProxy, find_caddy
 from tests.gpu.completions import RequestStream, StreamAccount
 from tests.gpu.daemon_runner import DaemonCommand, ServedDaemon
+from tests.gpu.donation_lines import judge as judge_donation
+from tests.gpu.donation_lines import outcome as donation_outcome
 from tests.gpu.gpu_memory import held_by, used_by_pid
 from tests.gpu.parking import park_options, parked_pids, parking_document
 from tests.gpu.serve_engine import ServeEngine, loader_config, serve_environment, vllm_serve_argv
@@ -86,6 +99,15 @@ COLD_EXTRA_S = 45.0  # torch.compile with an empty cache
 COLD_COMPILE_S = 15.0  # a start that compiled this long had no cache (warm: 1-3 s)
 RESERVE_S = 30.0  # stopping everything and writing the results
 HEALTH_TIMEOUT_S = 300.0
+DAEMON_READ_DONATED = (
+    "daemon restart: the new daemon did not read the checkpoint: not judged on a donated "
+    "scheme (a daemon started with no model reads no checkpoint); that it holds the donated "
+    "model again is judged instead"
+)
+PARKED_DONATED = (
+    "parked: not run on a donated scheme: an engine parks under the daemon's own model of its "
+    "checkpoint (GET /v1/parking names it), and the daemon processes none of a donated one"
+)
 WRITE_CHECKPOINT = (
     "import sys; from pathlib import Path; from service.demo import write_demo_checkpoint; "
     "write_demo_checkpoint(Path(sys.argv[1]), sys.argv[2], sys.argv[3], device=sys.argv[4])"
@@ -116,7 +138,7 @@ def engine_cache_env(volume: Path) -> dict[str, str]:
 
 
 class ServeProof:
-    shape, scheme = "llama-8b", "fp8"
+    shape = "llama-8b"
     checkpoint_device, daemon_device = "cuda", "cuda:0"
     sleep_args: tuple[str, ...] = ("--enable-sleep-mode",)  # a warm standby's vllm serve
 
@@ -141,6 +163,16 @@ class ServeProof:
         self.proxies: list[CaddyProxy] = []
         self.daemon: ServedDaemon | None = None
         self.spare: ServeEngine | None = None  # a serving weight_cache engine to reuse
+        self.scheme: str = args.scheme
+        self.processed = SCHEMES[self.scheme].processed_by_daemon  # else engines donate it
+        self.summary["scheme"] = {
+            "shape": self.shape,
+            "scheme": self.scheme,
+            "weights": "processed by the daemon" if self.processed else "donated",
+        }
+        # Donated schemes: each weight_cache engine's name -> the donated model the daemon held
+        # ready when it started (None: none, it must donate); removed once judged.
+        self.held_at_start: dict[str, str | None] = {}
         self.checkpoint = Path(args.root) / f"{self.shape}-{self.scheme}"
         self.prompts: list[list[int]] = []
         self.lock = threading.Lock()
@@ -203,26 +235,115 @@ class ServeProof:
         vocab = json.loads((self.checkpoint / "config.json").read_text())["vocab_size"]
         self.prompts = [[i % vocab for i in ids] for ids in PROMPTS]
 
-    def start_daemon(self) -> bool:
+    def daemon_command(self) -> DaemonCommand:
+        """The daemon's command: with the checkpoint (``--model``) where it processes the
+        scheme, with no model where engines donate it."""
         keeper = None if self.args.keeper == "unset" else self.args.keeper
-        command = DaemonCommand(
+        return DaemonCommand(
             port=free_port(),
             device=self.daemon_device,
             shm_dir=self.work / "shm",
-            models=[self.checkpoint],
-            model_id=self.shape,
+            models=[self.checkpoint] if self.processed else [],
+            model_id=self.shape if self.processed else None,
             cuda_handles=self.args.cuda_handles,
             run_dir=self.work / "run" if keeper else None,
             keeper=keeper,
         )
-        self.daemon = ServedDaemon(command, self.logs, self.env)
+
+    def start_daemon(self) -> bool:
+        self.daemon = ServedDaemon(self.daemon_command(), self.logs, self.env)
         self.daemon.start()
-        figures = self.daemon.wait_ready(min(240.0, self.left() - RESERVE_S))
+        figures = self.daemon.wait_ready(min(240.0, self.left() - RESERVE_S), self.processed)
         figures["memory"] = self.memory()  # idle after its load
         self.summary["daemon"] = figures
         ready = bool(figures.get("ready"))
-        self.check("daemon ready with the checkpoint", ready, None if ready else figures)
+        what = (
+            "daemon ready with the checkpoint"
+            if self.processed
+            else "daemon up with no model (the first weight_cache engine donates)"
+        )
+        self.check(what, ready, None if ready else figures)
         return ready
+
+    # --- donated schemes -----------------------------------------------------------------------
+
+    def ready_donation(self) -> str | None:
+        """The donated model the daemon holds ready now (None: none)."""
+        assert self.daemon is not None
+        with self.daemon.client() as client:
+            donations = client.send(list_call())
+        return next((d.model for d in donations if d.state is ModelState.ready), None)
+
+    def served_model(self) -> str:
+        """The id of the model engines attach to: the daemon's own, or the donated one."""
+        if self.processed:
+            return self.shape
+        held = self.ready_donation()
+        if held is None:
+            raise RuntimeError("the daemon holds no donated model")
+        return held
+
+    def expect_donation(self, engine: str, load_format: str) -> None:
+        """Note, as a ``weight_cache`` engine of a donated scheme starts, the donated model it
+        must attach to (none: it must donate)."""
+        if not self.processed and load_format == "weight_cache":
+            self.held_at_start[engine] = self.ready_donation()
+
+    def judge_load(self, engine: ServeEngine) -> dict[str, Any] | None:
+        """Once an engine of a donated scheme has loaded: whether it donated or attached as it
+        must (a check), and the donation it made recorded (``donation``); its outcome."""
+        if engine.name not in self.held_at_start:
+            return None
+        held = self.held_at_start.pop(engine.name)
+        found = donation_outcome(line.text for line in engine.process.lines())
+        what, ok, detail = judge_donation(engine.name, found, held)
+        self.check(what, ok, detail)
+        if found.way == "donated" and "donation" not in self.summary:
+            self.record_donation(engine, found.model)
+        return found.as_dict()
+
+    def record_donation(self, donor: ServeEngine, model: str | None) -> None:
+        """The donated model the daemon now holds (``GET /v1/donations``): its id, bytes, donor
+        (which must be ``donor``'s process) and key, and the daemon's GPU memory with it."""
+        assert self.daemon is not None
+        with self.daemon.client() as client:
+            donations = client.send(list_call())
+            resident = {m.id: m.bytes_resident for m in client.models()}
+        record: dict[str, Any] = {"engine": donor.name, "logged_model": model}
+        record["listed"] = [d.model for d in donations]
+        info = next((d for d in donations if d.model == model), None)
+        if info is not None:
+            record.update(
+                model=info.model,
+                state=str(info.state.value),
+                bytes_resident=resident.get(info.model),
+                donor_pid=info.donor.pid,
+                donor_uid=info.donor.uid,
+                key={
+                    k: getattr(info.key, k)
+                    for k in ("architecture", "quantization", "kernels", "dtype", "device_kind")
+                },
+            )
+        record["memory"] = self.memory()
+        self.summary["donation"] = record
+        pids = {donor.process.pid, *donor.process.descendants()}
+        self.check(
+            f"{donor.name}: the daemon holds its donation, given by its process",
+            info is not None and info.state is ModelState.ready and info.donor.pid in pids,
+            None if info is None else {"donor_pid": info.donor.pid, "engine_pids": sorted(pids)},
+        )
+
+    def ensure_donation(self) -> None:
+        """Before a scenario that starts engines at once (or needs the model's size): the
+        donated model, donated by one engine (``donor``) if the daemon holds none yet, so the
+        scenario's engines all attach."""
+        if self.processed or self.ready_donation() is not None:
+            return
+        if self.fits("donor", ENGINE_START_S + COLD_EXTRA_S):
+            engine, run = self.serve_run("donor", "weight_cache", "donation")
+            engine.stop()
+            if not run["ok"]:
+                raise RuntimeError("the engine that was to donate the model did not answer")
 
     def memory(self, *engines: ServeEngine) -> dict[str, int]:
         """GPU bytes per process now: the daemon's, its keeper's, each engine's."""
@@ -265,6 +386,7 @@ class ServeProof:
         share = self.args.gpu_memory_utilization if utilization is None else utilization
         engine = self.engine_argv(port, "weight_cache", loader_config(url), share, self.sleep_args)
         argv = [sys.executable, "-m", "weight_cache_cli", "standby", "--url", url, "--", *engine]
+        self.expect_donation(name, "weight_cache")
         started = ServeEngine(name, argv, port, self.logs / f"{name}.log", self.env)
         self.started.append(started)
         return started
@@ -293,6 +415,7 @@ class ServeProof:
         port = free_port()
         share = self.args.gpu_memory_utilization if utilization is None else utilization
         argv = self.engine_argv(port, load_format, loader, share)
+        self.expect_donation(name, load_format)
         engine = ServeEngine(name, argv, port, self.logs / f"{name}.log", env or self.env)
         self.started.append(engine)
         return engine
@@ -328,6 +451,8 @@ class ServeProof:
             run["memory"] = self.memory(engine)
             run["processes"] = engine.roles()
         run["phases"] = engine.phases()
+        if (donation := self.judge_load(engine)) is not None:
+            run["donation"] = donation
         run["cold"] = warming or run["phases"].get("compilation_s", 0.0) > COLD_COMPILE_S
         self.check(f"{name}: vllm serve ({load_format}) answered", run["ok"], run.get("error"))
         print(
@@ -387,6 +512,11 @@ class ServeProof:
                 engine.stop()
 
     def scenario_parked(self) -> None:
+        if not self.processed:
+            self.summary["skipped"].append(PARKED_DONATED)
+            print(f"SKIP {PARKED_DONATED}", flush=True)
+            self.save()
+            return
         if not self.fits("parked", 2 * ENGINE_START_S + 30):
             return
         assert self.daemon is not None
@@ -478,6 +608,9 @@ class ServeProof:
             if not run["ok"]:
                 raise RuntimeError("the engine did not answer")
         restart["engine"] = engine.name
+        if not self.processed:  # what the new daemon must adopt from the keeper
+            restart["donated_model"] = self.served_model()
+            self.summary["skipped"].append(DAEMON_READ_DONATED)
         expected = self.expected() or engine.ask(self.prompts[0]).tokens
         with self.daemon.client() as client:
             restart["leases_before"] = [(x.id, x.client_pid) for x in client.leases()]
@@ -491,10 +624,13 @@ class ServeProof:
         )
         restart["kill_to_new_start_s"] = round(time.monotonic() - killed, 2)
         self.daemon.start()
-        new = self.daemon.wait_ready(min(120.0, self.left() - RESERVE_S))
+        # A daemon that processes no model holds the donated one again only from a keeper.
+        holds = self.processed or self.daemon.command.keeper is not None
+        new = self.daemon.wait_ready(min(120.0, self.left() - RESERVE_S), holds)
         restart["new_daemon"] = new
         if new.get("ready"):
-            restart["adopt_s"] = round(new["ready_s"] - new["health_s"], 3)
+            if "ready_s" in new:
+                restart["adopt_s"] = round(new["ready_s"] - new["health_s"], 3)
             with self.daemon.client() as client:
                 restart["leases_after"] = [(x.id, x.client_pid) for x in client.leases()]
             holders = {pid for _, pid in restart["leases_after"]}
@@ -513,12 +649,21 @@ class ServeProof:
         assert self.daemon is not None
         from engine_client.sizing import shared_utilization
 
+        served = self.served_model()
         with self.daemon.client() as client:
             inventory = client.inventory()
-        device, model = inventory.devices[0], inventory.models[0]
+        device = inventory.devices[0]
+        model = next(m for m in inventory.models if m.id == served)
         held = device.process_memory if device.process_memory is not None else model.bytes_resident
         figure = shared_utilization(device.total_memory, held, model.bytes_resident, count)
         return figure.utilization
+
+    def daemon_weights_memory(self) -> int | None:
+        """The daemon's GPU bytes with the weights resident: idle after its load, or read
+        when the donation was made."""
+        reading = self.summary.get("daemon" if self.processed else "donation") or {}
+        held: int | None = (reading.get("memory") or {}).get("daemon")
+        return held
 
     def gpu_total(self) -> int | None:
         assert self.daemon is not None
@@ -532,6 +677,7 @@ class ServeProof:
         if not self.fits(what, 2 * ENGINE_START_S + count * 15):
             return
         self.default_loader_tokens()
+        self.ensure_donation()
         rule = self.args.crowd_utilization == "auto"
         crowd: dict[str, Any] = {"engines": count, "runs": [], "beside": beside, "rule": rule}
         self.summary["scenarios"][what] = crowd
@@ -564,8 +710,7 @@ class ServeProof:
                 "kv_cache_gib": kv,
                 "memory": self.memory(*engines, *([serving] if serving else [])),
             }
-            total, daemon = self.gpu_total(), (self.summary.get("daemon") or {}).get("memory")
-            held = (daemon or {}).get("daemon")
+            total, held = self.gpu_total(), self.daemon_weights_memory()
             if total and held is not None and all(k is not None for k in kv):
                 share = (held + sum(k or 0.0 for k in kv) * 2**30) / total
                 outcome["kv_and_weights_share"] = round(share, 4)
@@ -584,6 +729,7 @@ class ServeProof:
         if not self.fits(what, (takeovers + 1) * ENGINE_START_S + 30):
             return
         reference = self.default_loader_tokens()
+        self.ensure_donation()
         warm: dict[str, Any] = {"takeovers": [], "utilization": utilization}
         warm["reference"] = "first serving engine" if reference is None else "default loader"
         self.summary["scenarios"][what] = warm
@@ -608,6 +754,8 @@ class ServeProof:
         else:
             named = {e.name: standby_state(e.process.lines()) for e in engines}
             raise RuntimeError(f"no serving and sleeping pair: {named}")
+        for engine in engines:
+            self.judge_load(engine)
         proxy = self.start_proxy(engines, ports, standby=True)
         serving = next(e for e in engines if standby_state(e.process.lines()) == "serving")
         expected = reference or serving.ask(self.prompts[0]).tokens
@@ -652,7 +800,12 @@ class ServeProof:
                 waits = replacement if index + 1 < takeovers else None
                 if waits is not None and not self.wait_standby(waits, "asleep", HEALTH_TIMEOUT_S):
                     raise RuntimeError(f"{names[index + 2]} did not become the next standby")
+                if waits is not None:
+                    self.judge_load(waits)
         finally:
+            for engine in engines:  # a standby that loaded (the last replacement may not have)
+                if standby_state(engine.process.lines()) is not None:
+                    self.judge_load(engine)
             answers = stream.stop()
             warm["account"] = StreamAccount.of(answers, expected).as_dict()
             proxy.stop()
@@ -756,6 +909,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--root", type=Path, default=Path("/tmp/serve-proof/ckpt"))
     p.add_argument("--work", type=Path, default=Path("/tmp/serve-proof/work"))
     p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    p.add_argument(
+        "--scheme",
+        choices=sorted(SCHEMES),
+        default="fp8",
+        help="the demo checkpoint's scheme; one the daemon does not process is donated by the "
+        "first weight_cache engine and attached to by the later ones",
+    )
     p.add_argument("--budget-s", type=float, default=540)
     p.add_argument("--rounds", type=int, default=2, help="A/B pairs in the restart scenario")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)

@@ -30,14 +30,28 @@ def _median(values: Iterable[float | None]) -> float | None:
     return round(statistics.median(present), 2) if present else None
 
 
+def donated_scheme(summary: dict[str, Any]) -> bool:
+    """Whether the checkpoint's weights were donated by an engine (not processed by the
+    daemon)."""
+    return (summary.get("scheme") or {}).get("weights") == "donated"
+
+
+def donor(run: dict[str, Any]) -> bool:
+    """Whether the run is the engine that loaded a donated scheme itself and donated it."""
+    return (run.get("donation") or {}).get("way") == "donated"
+
+
 def restart_runs(summary: dict[str, Any], load_format: str) -> list[dict[str, Any]]:
-    """The warm restart runs (A or B) that served, in order (the cold one left out)."""
+    """The warm restart runs (A or B) that served, in order (the cold one left out, and the
+    engine that donated a donated scheme: its start is vLLM's default load and the donation,
+    reported on its own row)."""
     return [
         run
         for run in summary.get("runs", {}).values()
         if run.get("scenario") == "restart"
         and run.get("load_format") == load_format
         and not run.get("cold")
+        and not donor(run)
         and run.get("ok")
     ]
 
@@ -108,7 +122,11 @@ def _stream_checks(name: str, account: dict[str, Any] | None) -> list[dict[str, 
 
 
 def _daemon_checks(restart: dict[str, Any]) -> list[dict[str, Any]]:
+    """A donated model (``donated_model``) is adopted from the keeper as the daemon's own is;
+    the check that the new daemon did not read the checkpoint is left out for it (the proof
+    says so in ``skipped``): a daemon that processes no model reads none."""
     new = restart.get("new_daemon") or {}
+    donated = restart.get("donated_model")
     checks = _stream_checks("daemon restart", restart.get("account"))
     checks.append(
         _check(
@@ -125,14 +143,24 @@ def _daemon_checks(restart: dict[str, Any]) -> list[dict[str, Any]]:
             adopt is not None and adopt <= ADOPT_GOAL_S,
         )
     )
-    read, size = new.get("read_bytes"), restart.get("checkpoint_bytes")
-    checks.append(
-        _check(
-            "daemon restart: the new daemon did not read the checkpoint "
-            f"(read {read} bytes, checkpoint {size})",
-            read is not None and size is not None and read < size // 4,
+    if donated is None:
+        read, size = new.get("read_bytes"), restart.get("checkpoint_bytes")
+        checks.append(
+            _check(
+                "daemon restart: the new daemon did not read the checkpoint "
+                f"(read {read} bytes, checkpoint {size})",
+                read is not None and size is not None and read < size // 4,
+            )
         )
-    )
+    else:
+        held = {m.get("id"): m.get("state") for m in new.get("models") or []}
+        checks.append(
+            _check(
+                f"daemon restart: the new daemon holds the donated model {donated} again",
+                held.get(donated) == "ready",
+                held,
+            )
+        )
     checks.append(
         _check(
             "daemon restart: the engine's lease taken over",
@@ -143,10 +171,17 @@ def _daemon_checks(restart: dict[str, Any]) -> list[dict[str, Any]]:
     return checks
 
 
-def _daemon_memory_checks(daemon: dict[str, Any]) -> list[dict[str, Any]]:
-    """The daemon's own GPU memory, idle after its load: the resident weights and at most
-    ``DAEMON_OVERHEAD`` more (where the driver was asked)."""
-    held, models = (daemon.get("memory") or {}).get("daemon"), daemon.get("models") or []
+def _daemon_memory_checks(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The daemon's own GPU memory with the weights resident: the resident weights and at most
+    ``DAEMON_OVERHEAD`` more (where the driver was asked). Read idle after its load, or, for a
+    donated scheme, once the donation was made (the daemon starts with none)."""
+    if donated_scheme(summary):
+        donation = summary.get("donation") or {}
+        held = (donation.get("memory") or {}).get("daemon")
+        models = [donation] if donation.get("bytes_resident") is not None else []
+    else:
+        daemon = summary.get("daemon") or {}
+        held, models = (daemon.get("memory") or {}).get("daemon"), daemon.get("models") or []
     if held is None or not models:
         return []
     resident = sum(m.get("bytes_resident") or 0 for m in models)
@@ -162,7 +197,8 @@ def _daemon_memory_checks(daemon: dict[str, Any]) -> list[dict[str, Any]]:
 def evaluate(summary: dict[str, Any]) -> list[dict[str, Any]]:
     """The checks the figures decide: tokens against the default loader's, the daemon's memory,
     and each scenario's goals (parked restart, no failed request, daemon re-adoption)."""
-    checks = _token_checks(summary) + _daemon_memory_checks(summary.get("daemon") or {})
+    checks = _token_checks(summary) + _daemon_memory_checks(summary)
+    checks += _donation_checks(summary)
     scenarios = summary.get("scenarios", {})
     if "parked" in scenarios:
         checks += _parked_checks(scenarios["parked"], restart_to_first_token(summary, "auto"))
@@ -179,6 +215,25 @@ def evaluate(summary: dict[str, Any]) -> list[dict[str, Any]]:
     if "container" in scenarios:
         checks += _container_checks(summary.get("runs", {}).get("K1"))
     return checks
+
+
+def _donation_checks(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """A donated scheme whose ``weight_cache`` engines ran: the daemon held their donation (each
+    engine's own check, whether it donated or attached, the proof makes as it loads)."""
+    runs = summary.get("runs", {}).values()
+    engines = any(run.get("load_format") == "weight_cache" for run in runs)
+    engines |= bool({"warm", "tight"} & set(summary.get("scenarios", {})))
+    if not donated_scheme(summary) or not engines:
+        return []
+    donation = summary.get("donation") or {}
+    return [
+        _check(
+            f"donation: the daemon held the model a weight_cache engine donated "
+            f"({donation.get('model', 'none')})",
+            donation.get("state") == "ready",
+            None if donation.get("state") == "ready" else donation or "no engine donated",
+        )
+    ]
 
 
 def _container_checks(fresh: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -268,7 +323,7 @@ def merge(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged["skipped"] = []
     for index, summary in enumerate(summaries, 1):
         merged["calls"].append(summary.get("config", {}))
-        for key in ("daemon", "checkpoint"):  # the first call's
+        for key in ("daemon", "checkpoint", "scheme", "donation"):  # the first call's
             if summary.get(key) and key not in merged:
                 merged[key] = summary[key]
         merged["skipped"] += summary.get("skipped", [])
@@ -278,6 +333,14 @@ def merge(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
         merged["checks"] += [c for c in summary.get("checks", []) if not c.get("judged")]
     merged["checks"] += [dict(c, judged=True) for c in evaluate(merged)]
     return merged
+
+
+WAYS = {  # how a weight_cache engine of a donated scheme loaded, as the tables say it
+    "donated": "loaded and donated",
+    "attached": "attached to the donation",
+    "own_load": "served its own load",
+    "unsaid": "no donation logged",
+}
 
 
 def _s(value: float | None) -> str:
@@ -304,7 +367,7 @@ def runs_table(summary: dict[str, Any]) -> list[str]:
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, run in summary.get("runs", {}).items():
-        if run.get("scenario") not in ("restart", "container"):
+        if run.get("scenario") not in ("restart", "container", "donation"):
             continue
         ph = run.get("phases", {})
         at = ph.get("at_s", {})
@@ -319,6 +382,9 @@ def runs_table(summary: dict[str, Any]) -> list[str]:
             else "-"
         )
         notes = [run["load_format"]] + (["cold compile cache"] if run.get("cold") else [])
+        way = (run.get("donation") or {}).get("way")
+        if way is not None:
+            notes.append(WAYS.get(way, way))
         if run.get("env") == "container":
             notes.append("empty filesystem, cache volume kept")
         label = f"{name} ({', '.join(notes)})"
@@ -340,14 +406,22 @@ def side_by_side(summary: dict[str, Any]) -> list[str]:
         chosen = restart_runs(summary, fmt)
         return memory_cell(chosen[-1].get("memory")) if chosen else "-"
 
+    attached = ", attached to the donation" if donated_scheme(summary) else ""
     rows = [
         "| restart | to first token | GPU memory per process |",
         "| --- | --- | --- |",
         f"| `vllm serve`, vLLM's default loader (warm, median) | "
         f"{_s(restart_to_first_token(summary, 'auto'))} | {memory_of('auto')} |",
-        f"| `vllm serve --load-format weight_cache` (warm, median) | "
+        f"| `vllm serve --load-format weight_cache` (warm, median{attached}) | "
         f"{_s(restart_to_first_token(summary, 'weight_cache'))} | {memory_of('weight_cache')} |",
     ]
+    for name, run in summary.get("runs", {}).items():
+        if donor(run):
+            rows.append(
+                f"| `vllm serve --load-format weight_cache`, the first ({name}): vLLM's default "
+                f"load, then donated | {_s(run.get('to_first_token_s'))} | "
+                f"{memory_cell(run.get('memory'))} |"
+            )
     parked = scenarios.get("parked")
     if parked:
         rows.append(
@@ -438,11 +512,41 @@ def _s3(value: float | str | None) -> str:
     return "-" if value is None else f"{float(value):.3f} s"
 
 
+def scheme_lines(summary: dict[str, Any]) -> list[str]:
+    """The checkpoint's shape and scheme, and who processed its weights."""
+    scheme = summary.get("scheme")
+    if not scheme:
+        return []
+    if scheme.get("weights") != "donated":
+        how = "processed by the daemon before any engine started"
+    else:
+        donation = summary.get("donation") or {}
+        made = ""
+        if donation.get("engine"):
+            made = f" ({donation['engine']}: {donation.get('model')}, "
+            made += f"{_gib(donation.get('bytes_resident'))})"
+        how = (
+            "donated: the daemon processes none of this scheme; the first `weight_cache` engine "
+            f"loaded it with vLLM's default loader and donated it{made}, the later ones "
+            "attached to it"
+        )
+    return [f"Checkpoint: {scheme.get('shape')} in `{scheme.get('scheme')}`; weights {how}.", ""]
+
+
 def render(summary: dict[str, Any]) -> str:
     """The markdown the proof writes beside its summary."""
     out = ["# `vllm serve` restarts with and without weight-cache", ""]
+    out += scheme_lines(summary)
     daemon = summary.get("daemon") or {}
-    if daemon.get("ready"):
+    if daemon.get("ready") and donated_scheme(summary):
+        donation = summary.get("donation") or {}
+        out += [
+            f"The daemon: /health {_s(daemon.get('health_s'))} after its start, holding no model; "
+            f"GPU memory then: {memory_cell(daemon.get('memory'))}; once the model was donated: "
+            f"{memory_cell(donation.get('memory'))}.",
+            "",
+        ]
+    elif daemon.get("ready"):
         out += [
             f"The daemon: /health {_s(daemon.get('health_s'))}, ready {_s(daemon.get('ready_s'))} "
             f"after its start; GPU memory idle after the load: "

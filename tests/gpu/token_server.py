@@ -6,11 +6,15 @@ without a GPU. Under ``VLLM_SERVER_DEV_MODE=1`` it also answers vLLM's sleep end
 completions it was asked for while asleep (``GET /stats``): a proxy must send none. With
 ``--attach`` it first leases the model from the daemon as an engine does (the
 project's client: a real lease, kept alive while it serves); with ``--park`` it parks with the
-daemon before that, listening on no port until released. It stands for no part of vLLM: tests of
-the proof's own code use it.
+daemon before that, listening on no port until released. With ``--attach`` and ``--donated`` (a
+checkpoint the daemon does not process) it does what ``--load-format weight_cache`` does there:
+it attaches to the daemon's donated model of the checkpoint's key, else it donates the
+checkpoint's tensors (read from its files: the daemon really holds them) and leases its own
+donation, and says which in the loader's words (or that it served its own load, and why). It
+stands for no part of vLLM: tests of the proof's own code use it.
 
 usage: python -m tests.gpu.token_server --port P [--delay-s S]
-       [--attach DAEMON_URL --checkpoint DIR --model ID [--park]]
+       [--attach DAEMON_URL --checkpoint DIR (--model ID [--park] | --donated)]
 """
 
 from __future__ import annotations
@@ -84,6 +88,55 @@ def attach(url: str, checkpoint: Path, model: str) -> object:
     return weights
 
 
+def attach_or_donate(url: str, checkpoint: Path) -> object:
+    """Attach to the donated model of ``checkpoint``'s key, else donate its tensors, as the
+    loader does on a checkpoint the daemon does not process; what is returned keeps the lease
+    (None: a refused donation, served on its own weights as the loader does)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from engine_client.attach import attach as lease
+    from engine_client.client import ClientConfig
+    from engine_client.donations import ATTACHED_LOG, DONATED_LOG, donate, find_donation
+    from engine_client.fallback import FALLBACK_LOG, OWN_LOAD, reason_of
+    from engine_client.verify import Expectations
+    from harness.donating import key_for, state_of
+    from protocol.errors import VerificationError, WeightCacheError
+    from protocol.reasons import Reason
+    from protocol.schemas.donated import DONATED_KERNEL
+
+    config = ClientConfig.from_env(url=url)
+    key = key_for(checkpoint)
+    expect = Expectations(torch.device("cpu"), kernel=DONATED_KERNEL, supported_schemes=frozenset())
+    try:
+        found = find_donation(config, key)
+        if found.model is not None:
+            held = lease(found.model, expect, config=config)
+            print(ATTACHED_LOG % (found.model, len(held.tensors)), flush=True)
+            return held
+        if found.pending:
+            raise VerificationError(
+                "another engine is donating this rank right now", reason=Reason.donation_refused
+            )
+        tensors: dict[str, torch.Tensor] = {}
+        for path in sorted(checkpoint.glob("*.safetensors")):
+            tensors.update(load_file(path))
+        try:
+            model = donate(config, key, tensors, state_of(tensors))
+        except VerificationError:
+            raise
+        except WeightCacheError as exc:  # as the loader names a refusal
+            raise VerificationError(
+                f"the daemon refused the donation: {exc}", reason=Reason.donation_refused
+            ) from exc
+        held = lease(model, expect, config=config)
+        print(DONATED_LOG % (model, len(held.tensors)), flush=True)
+        return held
+    except WeightCacheError as exc:
+        print(FALLBACK_LOG % (OWN_LOAD, reason_of(exc), exc.detail), flush=True)
+        return None
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
@@ -92,6 +145,7 @@ def main() -> int:
     p.add_argument("--checkpoint", type=Path)
     p.add_argument("--model")
     p.add_argument("--park", action="store_true")
+    p.add_argument("--donated", action="store_true", help="a checkpoint engines donate")
     args = p.parse_args()
     if args.park:
         from tests.gpu.parking import park_and_wait
@@ -101,7 +155,11 @@ def main() -> int:
         print(f"park ended: {state}", flush=True)
         if state != "released":
             return 1
-    held = attach(args.attach, args.checkpoint, args.model) if args.attach else None
+    held = None
+    if args.attach and args.donated:
+        held = attach_or_donate(args.attach, args.checkpoint)
+    elif args.attach:
+        held = attach(args.attach, args.checkpoint, args.model)
     Handler.delay_s = args.delay_s
     Handler.port = args.port
     Handler.dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"

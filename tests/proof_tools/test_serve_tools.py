@@ -15,10 +15,12 @@ from typing import Any
 
 import pytest
 
+from engine_client.donations import ATTACHED_LOG, DONATED_LOG
+from engine_client.fallback import FALLBACK_LOG, OWN_LOAD
 from harness.daemon_process import free_port
 from harness.waiting import wait_for
 from protocol.processes import process_tree
-from tests.gpu import serve_report
+from tests.gpu import donation_lines, serve_report
 from tests.gpu.caddy_proxy import CADDYFILE, CaddyProxy, find_caddy
 from tests.gpu.completions import RequestStream, StreamAccount
 from tests.gpu.daemon_runner import DaemonCommand, ServedDaemon
@@ -30,6 +32,7 @@ from tests.gpu.token_server import tokens_for
 from tests.gpu.vllm_logs import loading_figures, serve_phases
 
 PROMPT = [151, 2048, 9000, 17]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def gone(pid: int) -> bool:
@@ -189,6 +192,49 @@ def test_loading_figures_take_the_last_load_and_the_loader_lines() -> None:
     assert len(figures["weight_cache_log"]) == 1
 
 
+def test_a_donated_load_is_read_in_the_loaders_words_and_judged() -> None:
+    """The loader's three outcomes on a checkpoint the daemon does not process, as vLLM's
+    EngineCore prints them, read back; the first engine must donate, a later one attach to
+    the donation held at its start, and one that served its own load fails naming why."""
+    prefix = "(EngineCore pid=7) INFO 12-06 10:00:00 [donation_load.py:1] "
+    donated = [prefix + DONATED_LOG % ("donated-ab12", 291)]
+    attached = [prefix + ATTACHED_LOG % ("donated-ab12", 291)]
+    refused = [prefix + FALLBACK_LOG % (OWN_LOAD, "donation_refused", "no room (1 byte)")]
+    differs = prefix + "weight-cache: a donated model of this checkpoint differs in dtype: ..."
+    assert donation_lines.outcome(["x", differs, *donated]) == donation_lines.Outcome(
+        "donated", "donated-ab12"
+    )
+    assert donation_lines.outcome(attached).way == "attached"
+    assert donation_lines.outcome(refused).as_dict() == {
+        "way": "own_load",
+        "reason": "donation_refused",
+        "detail": "no room (1 byte)",
+    }
+    assert donation_lines.outcome([differs]).way == "unsaid"
+
+    first = "E: donated the model (no donated model held at its start)"
+    assert donation_lines.judge("E", donation_lines.outcome(donated), None) == (first, True, None)
+    later = "E: attached to the donated model donated-ab12, not loading its own"
+    assert donation_lines.judge("E", donation_lines.outcome(attached), "donated-ab12")[:2] == (
+        later,
+        True,
+    )
+    what, ok, _ = donation_lines.judge("E", donation_lines.outcome(refused), "donated-ab12")
+    assert not ok and what == f"{later} (it served its own load: donation_refused)"
+    what, ok, _ = donation_lines.judge("E", donation_lines.outcome(donated), "donated-cd34")
+    assert not ok and what.endswith("(it donated donated-ab12)")  # a second donation
+    assert not donation_lines.judge("E", donation_lines.outcome(attached), None)[1]
+    assert not donation_lines.judge("E", donation_lines.outcome([]), None)[1]
+
+
+def test_the_loader_logs_its_donated_load_with_the_messages_the_proof_reads() -> None:
+    """``engine_client/vllm/donation_load.py`` needs vLLM to import: its source says it logs
+    the outcomes with the shared messages, which the proof's patterns are made from."""
+    source = (REPO / "engine_client" / "vllm" / "donation_load.py").read_text()
+    assert "log.info(DONATED_LOG, " in source and "log.info(ATTACHED_LOG, " in source
+    assert source.count("record_fallback(") == source.count(", OWN_LOAD)") == 3
+
+
 # --- GPU memory and parking documents ------------------------------------------------------------
 
 
@@ -330,6 +376,7 @@ def test_daemon_flags_are_passed_only_when_chosen(tmp_path: Path) -> None:
     argv = kept.argv()
     assert argv[argv.index("--cuda-handles") + 1] == "fd"
     assert argv[argv.index("--keeper") + 1] == "external"
+    assert argv[argv.index("--model") + 1] == ""  # no models: none at start, not the demo's
     assert kept.keeper_argv()[-3:] == ["keeper", "--run-dir", str(tmp_path / "run")]
 
 
@@ -451,3 +498,45 @@ def test_the_daemon_holds_its_weights_and_at_most_a_gibibyte_more() -> None:
     assert [c["ok"] for c in serve_report.evaluate({"daemon": fat})] == [False]
     assert serve_report.evaluate({"daemon": dict(lean, memory={})}) == []  # no driver asked
     assert "daemon 18.80 GiB" in serve_report.render({"daemon": fat})
+
+
+def test_a_donated_scheme_is_judged_with_the_donation_in_place_of_the_daemons_model() -> None:
+    """The daemon of a donated scheme starts with no model: its memory is judged once it holds
+    the donation; the donor's start is not a restart's median; the table says who processed
+    the weights; no donation at all fails."""
+    scheme = {"shape": "llama-8b", "scheme": "bf16", "weights": "donated"}
+    daemon = {"ready": True, "models": [], "memory": {"daemon": 500 << 20}}
+    donation: dict[str, Any] = {"engine": "B1", "model": "donated-ab", "state": "ready"}
+    donation |= {"bytes_resident": 16 << 30, "memory": {"daemon": 16_500 << 20}}
+    runs = {
+        "A1": _run("auto", 36.0, [[1]]),
+        "B1": _run("weight_cache", 60.0, [[1]], donation={"way": "donated", "model": "donated-ab"}),
+        "B2": _run(
+            "weight_cache", 20.0, [[1]], donation={"way": "attached", "model": "donated-ab"}
+        ),
+    }
+    summary: dict[str, Any] = {"scheme": scheme, "daemon": daemon, "donation": donation}
+    summary["runs"] = runs
+    verdicts = {c["check"].split(" (")[0]: c["ok"] for c in serve_report.evaluate(summary)}
+    assert verdicts["daemon: GPU memory at most the resident weights + 1 GiB"]
+    assert verdicts["donation: the daemon held the model a weight_cache engine donated"]
+    fat = dict(donation, memory={"daemon": 18 << 30})
+    verdicts = {c["check"]: c["ok"] for c in serve_report.evaluate(dict(summary, donation=fat))}
+    assert [ok for name, ok in verdicts.items() if name.startswith("daemon: GPU")] == [False]
+    assert serve_report.restart_to_first_token(summary, "weight_cache") == 20.0  # B2 alone
+    table = serve_report.render(summary)
+    assert "Checkpoint: llama-8b in `bf16`; weights donated" in table
+    assert "| `vllm serve --load-format weight_cache`, the first (B1)" in table
+    assert "| B1 (weight_cache, loaded and donated) |" in table
+    none = {c["check"]: c["ok"] for c in serve_report.evaluate(dict(summary, donation=None))}
+    assert none["donation: the daemon held the model a weight_cache engine donated (none)"] is False
+    processed = dict(summary, scheme=dict(scheme, scheme="fp8", weights="processed by the daemon"))
+    assert "weights processed by the daemon" in serve_report.render(processed)
+    restart: dict[str, Any] = {"donated_model": "donated-ab", "checkpoint_bytes": 16 << 30}
+    restart["new_daemon"] = {"ready": True, "models": [{"id": "donated-ab", "state": "ready"}]}
+    names = {
+        c["check"]: c["ok"]
+        for c in serve_report.evaluate({"scenarios": {"daemon_restart": restart}})
+    }
+    assert names["daemon restart: the new daemon holds the donated model donated-ab again"]
+    assert not [n for n in names if "did not read the checkpoint" in n]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from service.demo import write_demo_checkpoint
+from service.demo import SCHEMES, write_demo_checkpoint
 from tests.corpus import CORPUS, make_broken
 from tests.service.api.conftest import Served
 
@@ -34,13 +34,20 @@ def test_broken_checkpoint(served: Served, tiny_fp8: Path, tmp_path: Path, kind:
     assert r.status_code == 409 and r.json()["reason"] == CORPUS[kind][1]
 
 
-@pytest.mark.parametrize(
-    ("scheme", "named"),
-    [
-        ("fp8-block", "quant_method is 'fp8', not 'modelopt'"),
-        ("bf16", "no hf_quant_config.json and no modelopt quantization_config"),
-    ],
-)
+DONATED_FORMATS = [
+    ("fp8-block", "quant_method is 'fp8', not 'modelopt'"),
+    ("bf16", "no hf_quant_config.json and no modelopt quantization_config"),
+]
+
+
+def test_the_formats_said_not_processed_by_the_daemon_are_those_it_refuses() -> None:
+    """``DemoFormat.processed_by_daemon`` (what the restart proof starts the daemon by) is
+    false exactly for the formats the next test shows refused."""
+    donated = {name for name, f in SCHEMES.items() if not f.processed_by_daemon}
+    assert donated == {scheme for scheme, _ in DONATED_FORMATS}
+
+
+@pytest.mark.parametrize(("scheme", "named"), DONATED_FORMATS)
 def test_a_format_engines_donate_is_refused_by_name(
     served: Served, tmp_path: Path, scheme: str, named: str
 ) -> None:
