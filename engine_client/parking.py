@@ -17,7 +17,6 @@ replaces has freed its memory), and the load that follows takes the outcome
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import threading
 import time
@@ -33,10 +32,11 @@ from protocol.errors import (
     ParkingNotFoundError,
     WeightCacheError,
 )
+from protocol.logsafe import get_logger
 from protocol.reasons import Reason
 from protocol.schemas.parking import MAX_WAIT_S, ParkedEngine, ParkRequest, ParkState
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 POLL_S = 30.0  # one long-poll; well under MAX_WAIT_S and the registration's grace
 RETRY_S = 1.0  # between attempts to reach a daemon that does not answer

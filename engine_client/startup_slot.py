@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import logging
 import os
 import threading
 import time
@@ -21,10 +20,11 @@ import time
 from engine_client.client import ApiCall, ClientConfig, DaemonClient
 from engine_client.registrations import Registrations
 from protocol.errors import DaemonUnavailableError, WeightCacheError
+from protocol.logsafe import get_logger
 from protocol.schemas.parking import MAX_WAIT_S
 from protocol.schemas.startup_slots import SlotRequest, SlotState, SlotTicket
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 POLL_S = 30.0
 

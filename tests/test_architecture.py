@@ -216,3 +216,17 @@ def test_test_files_are_named_uniquely() -> None:
     for path in sorted((ROOT / "tests").rglob("test_*.py")):
         names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
+
+
+def test_every_module_logs_through_the_escaping_logger() -> None:
+    """Log records carry what clients and checkpoints say: every module's logger escapes
+    control characters (``protocol.logsafe.get_logger``); only the logging set-up itself names
+    loggers by ``logging.getLogger``."""
+    allowed = {ROOT / "protocol" / "logsafe.py", ROOT / "service" / "logs.py"}
+    plain = [
+        str(path.relative_to(ROOT))
+        for package in PRODUCT
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if path not in allowed and "logging.getLogger(" in path.read_text()
+    ]
+    assert plain == []

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -28,9 +27,10 @@ from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.utils.gc_utils import freeze_gc_heap
 
+from protocol.logsafe import get_logger
 from protocol.schemas.layout import Kernel, LayerLayout
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 # The parameters BaseKVCacheMethod.create_weights puts on an attention layer.
 KV_SCALE_PARAMETERS = ("q_scale", "k_scale", "v_scale", "prob_scale")

@@ -30,7 +30,6 @@ then take its GPU's start-up slot. Where in vLLM's worker this happens, and why
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import secrets
@@ -48,8 +47,9 @@ from engine_client.startup_slot import take_startup_slot
 from engine_client.vllm.internals import after_warm_up, see_only_own_memory
 from protocol.devices import cuda_uuid, host_id
 from protocol.errors import WeightCacheError
+from protocol.logsafe import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 _group: list[str] = []  # this engine's group id, once agreed on
 
