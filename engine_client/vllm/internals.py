@@ -5,10 +5,11 @@ The rest of :mod:`engine_client.vllm` uses vLLM's public loader API only (``Base
 distributed group getters, ``set_default_torch_dtype``). What follows is what vLLM's public API
 does not offer: undoing what a model build registers process-wide, parameters rebuilt with
 vLLM's parameter classes, the processed state vLLM's ModelOpt FP8 and CUTLASS code leave on a
-layer, the state vLLM's constructors compute, the garbage collector around vLLM's load window,
-and the worker's warm-up that ends an engine's start-up. Each function names the vLLM code it
-mirrors or depends on, and ``tests/vllm/test_internals.py`` (``test_startup_hooks.py`` for the
-warm-up) holds a test per touch that fails on a vLLM where it no longer holds.
+layer, the state vLLM's constructors compute, where vLLM's logging prints, the garbage collector
+around vLLM's load window, and the worker's warm-up that ends an engine's start-up. Each
+function names the vLLM code it mirrors or depends on, and ``tests/vllm/test_internals.py``
+(``test_startup_hooks.py`` for the warm-up) holds a test per touch that fails on a vLLM where it
+no longer holds.
 """
 
 from __future__ import annotations
@@ -231,6 +232,24 @@ def rebuild_attention_state(module: Any) -> None:
         is_meta(module._parameters.get(name)) for name in KV_SCALE_PARAMETERS
     ):
         method.create_weights(module)
+
+
+# --- where the loader's log lines go ---------------------------------------------------------
+
+VLLM_LOGGER = "vllm"  # the logger vLLM's logging configuration puts its handler on
+PROJECT_LOGGERS = ("engine_client", "protocol")  # the project's loggers inside an engine
+
+
+def log_through_vllm() -> None:
+    """Make the project's loggers children of vLLM's: vLLM's logging configuration
+    (``vllm.logger.DEFAULT_LOGGING_CONFIG``) puts its handler and level on the ``vllm`` logger
+    alone, which does not propagate, so a record of any other logger meets no handler and only
+    its warnings reach the output (bare, through ``logging.lastResort``). As vLLM's children the
+    loader's lines (that it attached, donated, the time of its steps) print at vLLM's level, with
+    its format and process prefix, in every process vLLM configures, whenever it does."""
+    parent = logging.getLogger(VLLM_LOGGER)
+    for name in PROJECT_LOGGERS:
+        logging.getLogger(name).parent = parent
 
 
 # --- the garbage collector around vLLM's load window --------------------------------------------

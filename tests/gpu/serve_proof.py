@@ -96,6 +96,7 @@ SCENARIOS = (
 COMPOSE = Path(__file__).resolve().parents[2] / "docker" / "compose.yaml"
 ENGINE_START_S = 60.0  # a warm `vllm serve` of the 8B shape answered in 31-36 s on the H200
 COLD_EXTRA_S = 45.0  # torch.compile with an empty cache
+FIRST_START_S = ENGINE_START_S + COLD_EXTRA_S  # R0 or the donor, started before a scenario
 COLD_COMPILE_S = 15.0  # a start that compiled this long had no cache (warm: 1-3 s)
 RESERVE_S = 30.0  # stopping everything and writing the results
 HEALTH_TIMEOUT_S = 300.0
@@ -211,7 +212,7 @@ class ServeProof:
         those of one engine of vLLM's default loader (R0) started for them, so that a call of
         the crowd or warm scenarios alone still compares every engine with the default
         loader."""
-        if self.expected() is None and self.fits("R0", ENGINE_START_S + COLD_EXTRA_S):
+        if self.expected() is None and self.fits("R0", FIRST_START_S):
             engine, _ = self.serve_run("R0", "auto", "reference")
             engine.stop()
         return self.expected()
@@ -333,17 +334,30 @@ class ServeProof:
             None if info is None else {"donor_pid": info.donor.pid, "engine_pids": sorted(pids)},
         )
 
-    def ensure_donation(self) -> None:
+    def ensure_donation(self) -> bool:
         """Before a scenario that starts engines at once (or needs the model's size): the
         donated model, donated by one engine (``donor``) if the daemon holds none yet, so the
-        scenario's engines all attach."""
+        scenario's engines all attach. False: no time left for the donor (the scenario must not
+        start engines that would each load and donate their own)."""
         if self.processed or self.ready_donation() is not None:
-            return
-        if self.fits("donor", ENGINE_START_S + COLD_EXTRA_S):
-            engine, run = self.serve_run("donor", "weight_cache", "donation")
-            engine.stop()
-            if not run["ok"]:
-                raise RuntimeError("the engine that was to donate the model did not answer")
+            return True
+        if not self.fits("donor", FIRST_START_S):
+            return False
+        engine, run = self.serve_run("donor", "weight_cache", "donation")
+        engine.stop()
+        if not run["ok"]:
+            raise RuntimeError("the engine that was to donate the model did not answer")
+        return True
+
+    def engines_first_s(self) -> float:
+        """The seconds of the engines a crowd or warm scenario starts before its own: R0 where
+        no default loader's tokens are known yet, and on a donated scheme the donor where the
+        daemon holds no donation yet; counted in the scenario's own time check, so that a
+        scenario that cannot finish is skipped before they run, not cut off after."""
+        seconds = FIRST_START_S if self.expected() is None else 0.0
+        if not self.processed and self.ready_donation() is None:
+            seconds += FIRST_START_S
+        return seconds
 
     def memory(self, *engines: ServeEngine) -> dict[str, int]:
         """GPU bytes per process now: the daemon's, its keeper's, each engine's."""
@@ -674,10 +688,11 @@ class ServeProof:
         count = self.args.crowd
         what = "crowd_serving" if beside else "crowd"
         runs_asked = 1 if beside else self.args.crowd_runs
-        if not self.fits(what, 2 * ENGINE_START_S + count * 15):
+        if not self.fits(what, 2 * ENGINE_START_S + count * 15 + self.engines_first_s()):
             return
         self.default_loader_tokens()
-        self.ensure_donation()
+        if not self.ensure_donation():
+            return
         rule = self.args.crowd_utilization == "auto"
         crowd: dict[str, Any] = {"engines": count, "runs": [], "beside": beside, "rule": rule}
         self.summary["scenarios"][what] = crowd
@@ -726,10 +741,11 @@ class ServeProof:
 
     def scenario_warm(self, utilization: float | None = None, what: str = "warm") -> None:
         takeovers = self.args.takeovers
-        if not self.fits(what, (takeovers + 1) * ENGINE_START_S + 30):
+        if not self.fits(what, (takeovers + 1) * ENGINE_START_S + 30 + self.engines_first_s()):
             return
         reference = self.default_loader_tokens()
-        self.ensure_donation()
+        if not self.ensure_donation():
+            return
         warm: dict[str, Any] = {"takeovers": [], "utilization": utilization}
         warm["reference"] = "first serving engine" if reference is None else "default loader"
         self.summary["scenarios"][what] = warm

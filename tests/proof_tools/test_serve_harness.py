@@ -190,7 +190,8 @@ def test_a_call_without_restarts_still_compares_with_the_default_loader(
     out = tmp_path / "out"
     argv = ["--out", str(out), "--root", str(tmp_path / "ckpt"), "--work", str(tmp_path / "w")]
     argv += ["--scenarios", "crowd", "crowd_serving", "--keeper", "auto" if HAS_KEEPER else "unset"]
-    argv += ["--budget-s", "300", "--crowd", "2", "--crowd-utilization", "0.1"]
+    # The crowd's own 150 s and R0's 105 s, with the reserve and the daemon's start to spare.
+    argv += ["--budget-s", "420", "--crowd", "2", "--crowd-utilization", "0.1"]
     code = HarnessOnCpu(parse_args(argv)).main()
 
     summary = json.loads((out / "summary.json").read_text())
@@ -284,6 +285,24 @@ def test_a_donated_scheme_is_donated_by_the_first_engine_and_attached_to_by_the_
     failed = {name.split(" (")[0] for name, ok in checks.items() if not ok}
     assert failed == expected_failures, [c for c in summary["checks"] if not c["ok"]]
     assert code == (1 if expected_failures else 0)
+
+
+def test_a_scenario_whose_first_engines_leave_it_no_time_is_skipped_before_they_start(
+    tmp_path: Path,
+) -> None:
+    """The crowd alone on a donated scheme starts R0 (the default loader's tokens) and the donor
+    before its own engines: where the three do not fit the time left, the scenario is skipped
+    before any of them starts (not cut off once they have used the time)."""
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--root", str(tmp_path / "ckpt"), "--work", str(tmp_path / "w")]
+    argv += ["--scheme", "bf16", "--scenarios", "crowd", "--keeper", "unset"]
+    # The crowd's own time fits (2 starts and 2 x 15 s: 150 s), with R0 and the donor it does not.
+    argv += ["--budget-s", "320", "--crowd", "2", "--crowd-utilization", "0.1"]
+    HarnessOnCpu(parse_args(argv)).main()
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["runs"] == {}
+    assert [s.split(":")[0] for s in summary["skipped"]] == ["crowd"]
 
 
 class RefusingDonations(HarnessOnCpu):

@@ -483,3 +483,62 @@ def test_the_cpu_gemm_dispatch_is_rebuilt_on_a_kept_weight() -> None:
     assert rebuilt.cpu_linear.__qualname__ == processed.cpu_linear.__qualname__
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     assert torch.equal(rebuilt.cpu_linear(x, rebuilt.weight, None), processed(x)[0])
+
+
+# What an EngineCore does at its start (``EngineCore.run_engine_core``): vLLM's logging
+# configured, then its general plugins loaded (ours among them, by its entry point); then the
+# loader logs as it does when it donates, attaches, or serves its own load.
+ENGINE_CORE_LOGS = """
+import sys
+from vllm.config.logging import LoggingConfig
+from vllm.logger import configure_logging, set_vllm_process_name
+from vllm.plugins import load_general_plugins
+
+set_vllm_process_name("EngineCore_DP0")
+configure_logging(LoggingConfig())
+load_general_plugins()
+from engine_client.donations import ATTACHED_LOG, DONATED_LOG
+from engine_client.fallback import FALLBACK_LOG, OWN_LOAD
+from engine_client.vllm import donation_load
+
+donation_load.log.info(DONATED_LOG, "donated-aa", 291)
+donation_load.log.info(ATTACHED_LOG, "donated-bb", 291)
+donation_load.log.warning(FALLBACK_LOG, OWN_LOAD, "donation_refused", "no room")
+donation_load.log.debug("weight-cache: below vLLM's level")
+"""
+
+
+def test_the_loaders_lines_print_through_vllms_logging(tmp_path: Path) -> None:
+    """vLLM's handler sits on its ``vllm`` logger alone: the loader's INFO lines reach an
+    engine's output (as the restart proof reads them, with vLLM's process prefix) only as that
+    logger's children (``log_through_vllm``, called by the plugin's ``register``)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.gpu import donation_lines, vllm_logs
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LOGGING")}
+    env.update(NO_COLOR="1", VLLM_CONFIGURE_LOGGING="1")
+    env.pop("VLLM_PLUGINS", None)  # every general plugin, ours included
+    done = subprocess.run(
+        [sys.executable, "-c", ENGINE_CORE_LOGS],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if "weight-cache" in line]
+    assert len(lines) == 3, done.stdout[-3000:] + done.stderr[-3000:]
+    for line in lines:
+        m = vllm_logs.PROCESS.match(line)
+        assert m is not None and m.group(1) == "EngineCore_DP0", line
+    found = [donation_lines.outcome([line]) for line in lines]
+    assert found == [
+        donation_lines.Outcome("donated", "donated-aa"),
+        donation_lines.Outcome("attached", "donated-bb"),
+        donation_lines.Outcome("own_load", reason="donation_refused", detail="no room"),
+    ]
