@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
