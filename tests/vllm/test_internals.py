@@ -8,6 +8,9 @@ import ast
 import contextlib
 import gc
 import importlib.util
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -512,10 +515,6 @@ def test_the_loaders_lines_print_through_vllms_logging(tmp_path: Path) -> None:
     """vLLM's handler sits on its ``vllm`` logger alone: the loader's INFO lines reach an
     engine's output (as the restart proof reads them, with vLLM's process prefix) only as that
     logger's children (``log_through_vllm``, called by the plugin's ``register``)."""
-    import os
-    import subprocess
-    import sys
-
     from tests.gpu import donation_lines, vllm_logs
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LOGGING")}
