@@ -172,6 +172,12 @@ class _Call(Generic[R]):
     idempotent: bool = True
     json: Any = None
     answers: tuple[int, ...] = ()  # statuses >= 400 read as answers (/ready's 503)
+    timeout_s: float | None = None  # None: the client's; a call whose work grows with its size
+
+    def request_options(self) -> dict[str, Any]:
+        """What httpx's ``request`` takes for this call beside its method and path."""
+        timeout = httpx.USE_CLIENT_DEFAULT if self.timeout_s is None else self.timeout_s
+        return {"json": self.json, "timeout": timeout}
 
 
 class _BaseClient:
@@ -264,7 +270,7 @@ class DaemonClient(_BaseClient, contextlib.AbstractContextManager["DaemonClient"
     def _send(self, call: _Call[R]) -> R:
         for attempt in self._attempts(call):
             try:
-                response = self._http.request(call.method, call.path, json=call.json)
+                response = self._http.request(call.method, call.path, **call.request_options())
             except TRANSPORT_ERRORS as exc:
                 time.sleep(self._backoff(call, attempt, exc))
                 continue
@@ -327,7 +333,9 @@ class AsyncDaemonClient(_BaseClient):
     async def _send(self, call: _Call[R]) -> R:
         for attempt in self._attempts(call):
             try:
-                response = await self._http.request(call.method, call.path, json=call.json)
+                response = await self._http.request(
+                    call.method, call.path, **call.request_options()
+                )
             except TRANSPORT_ERRORS as exc:
                 await asyncio.sleep(self._backoff(call, attempt, exc))
                 continue

@@ -22,7 +22,7 @@ import torch
 from engine_client.answers import parse_answer, parse_answers
 from engine_client.arenas import open_arena
 from engine_client.client import ApiCall, ClientConfig, DaemonClient
-from protocol.checksum import storage_checksum
+from protocol.checksum import checking_s, storage_checksum
 from protocol.dtypes import to_wire
 from protocol.errors import VerificationError, WeightCacheError
 from protocol.logsafe import get_logger
@@ -59,10 +59,16 @@ def offer_call(request: DonationRequest) -> ApiCall[DonationOffer]:
     return ApiCall("POST", "/v1/donations", read, idempotent=False, json=body)
 
 
-def commit_call(model: str, commit: DonationCommit) -> ApiCall[ModelInfo]:
+def commit_call(model: str, commit: DonationCommit, timeout_s: float) -> ApiCall[ModelInfo]:
+    """The commit, answered once the daemon has checked every byte against its checksum:
+    ``timeout_s`` plus the longest that check may take (gigabytes; the client's own timeout
+    would give up on a large model while the daemon still checks it)."""
     read = lambda r: parse_answer(ModelInfo, r.content)  # noqa: E731
     body = commit.model_dump(mode="json")
-    return ApiCall("POST", f"/v1/donations/{model}/commit", read, idempotent=False, json=body)
+    nbytes = sum(entry.nbytes for entry in commit.tensors)
+    deadline = timeout_s + checking_s(nbytes)
+    path = f"/v1/donations/{model}/commit"
+    return ApiCall("POST", path, read, idempotent=False, json=body, timeout_s=deadline)
 
 
 def abandon_call(model: str, secret: str) -> ApiCall[None]:
@@ -216,7 +222,9 @@ def donate(
             entries = _write(offer, tensors, config.handle_socket)
             client.send(
                 commit_call(
-                    offer.model, DonationCommit(secret=offer.secret, tensors=entries, state=state)
+                    offer.model,
+                    DonationCommit(secret=offer.secret, tensors=entries, state=state),
+                    config.timeout_s,
                 )
             )
         except BaseException:

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from engine_client.client import AsyncDaemonClient, ClientConfig, DaemonClient
+from engine_client.answers import parse_answer
+from engine_client.client import ApiCall, AsyncDaemonClient, ClientConfig, DaemonClient
+from engine_client.donations import commit_call
 from harness.daemon_process import free_port, start_daemon
 from harness.waiting import wait_for
+from protocol.checksum import checking_s
 from protocol.errors import (
     DaemonUnavailableError,
     LayoutMismatchError,
@@ -19,20 +23,26 @@ from protocol.errors import (
     UnauthorizedError,
     VerificationError,
 )
+from protocol.schemas.donated import DonatedState
+from protocol.schemas.donations import DonationCommit
+from protocol.schemas.health import Health
+from protocol.schemas.manifest import TensorEntry
 
 
 class FlakyServer(threading.Thread):
-    """Drops the first ``drops`` connections, then answers /health like the daemon."""
+    """Drops the first ``drops`` connections, then answers /health like the daemon, after
+    ``delay_s``."""
 
     BODY = b'{"status":"ok","boot_id":"b","version":"0","protocol_version":1,"uptime_s":1.0}'
 
-    def __init__(self, drops: int) -> None:
+    def __init__(self, drops: int, delay_s: float = 0.0) -> None:
         super().__init__(daemon=True)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(8)
         self.port = self.sock.getsockname()[1]
         self.drops = drops
+        self.delay_s = delay_s
         self.connections = 0
 
     def run(self) -> None:
@@ -46,6 +56,7 @@ class FlakyServer(threading.Thread):
                 conn.recv(65536)
                 if self.connections <= self.drops:
                     continue  # close without answering
+                time.sleep(self.delay_s)
                 conn.sendall(
                     b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                     b"content-length: "
@@ -73,6 +84,49 @@ def test_a_lease_grant_is_never_retried() -> None:
         client.lease("tiny")
     assert server.connections == 1
     server.sock.close()
+
+
+def _health_within(timeout_s: float) -> ApiCall[Health]:
+    read = lambda r: parse_answer(Health, r.content)  # noqa: E731
+    return ApiCall("GET", "/health", read, idempotent=False, timeout_s=timeout_s)
+
+
+async def test_a_call_may_wait_longer_than_the_client_s_timeout() -> None:
+    """A call that names its own timeout (a donation's commit, checked byte by byte) is waited
+    for that long; every other call still gives up after the client's."""
+    server = FlakyServer(drops=0, delay_s=0.6)
+    server.start()
+    url = f"http://127.0.0.1:{server.port}"
+    config = ClientConfig(url=url, timeout_s=0.2, retries=0)
+    with DaemonClient(config) as client:
+        with pytest.raises(DaemonUnavailableError, match="timed out"):
+            client.health()
+        assert client.send(_health_within(10.0)).status == "ok"
+    async with AsyncDaemonClient(config) as aclient:
+        with pytest.raises(DaemonUnavailableError):
+            await aclient.health()
+        assert (await aclient.send(_health_within(10.0))).status == "ok"
+    server.sock.close()
+
+
+def test_a_commit_waits_for_its_checksums() -> None:
+    """The commit's deadline grows with the bytes the daemon checks: 16 GiB at the slowest
+    checking rate is over a minute, far beyond a client's 10 s."""
+    entry = TensorEntry(
+        name="w",
+        arena=0,
+        offset=0,
+        nbytes=16 << 30,
+        dtype="bfloat16",
+        shape=[8 << 30],
+        stride=[1],
+        checksum="0" * 16,
+    )
+    commit = DonationCommit(
+        secret="s" * 32, tensors=[entry], state=DonatedState(roles=[], attributes={})
+    )
+    call = commit_call("donated-x", commit, 10.0)
+    assert call.timeout_s is not None and call.timeout_s == 10.0 + checking_s(16 << 30) > 60
 
 
 def test_unreachable_daemon() -> None:

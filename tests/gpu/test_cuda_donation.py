@@ -125,7 +125,7 @@ def test_bytes_that_do_not_match_their_checksums_are_refused_on_the_gpu(
         opened.close()
         commit = DonationCommit(secret=offer.secret, tensors=entries, state=state_of(tensors))
         with pytest.raises(DonationInvalidError, match="do not match its checksum"):
-            client.send(commit_call(offer.model, commit))
+            client.send(commit_call(offer.model, commit, client.config.timeout_s))
     with httpx.Client(base_url=daemon.url) as http:
         assert http.get("/v1/donations").json() == []
 
