@@ -45,6 +45,16 @@ log = get_logger(__name__)
 DONATED_LOG = "weight-cache: donated %s (%d tensors)"
 ATTACHED_LOG = "weight-cache: attached donated model %s (%d tensors)"
 
+_donated_here: list[int] = []  # the bytes of each arena this process filled and committed
+
+
+def bytes_donated_here() -> int:
+    """The bytes this process gave the daemon: its weights, held since in the daemon's
+    allocation. A donor sizing its KV cache counts them as its own, as vLLM's default loader
+    would hold them (an attacher is charged for what it maps by ``get_external_weight_memory``;
+    a donor, which found nothing to map, by this)."""
+    return sum(_donated_here)
+
 
 # --- the calls --------------------------------------------------------------------------------
 
@@ -227,6 +237,7 @@ def donate(
                     config.timeout_s,
                 )
             )
+            _donated_here.append(offer.nbytes)
         except BaseException:
             try:
                 client.send(abandon_call(offer.model, offer.secret))

@@ -100,7 +100,8 @@ def donated_rank_bytes(
 ) -> int:
     """The bytes of the ready donated model this engine start will attach to (its key agrees in
     every field known before the model is built), which vLLM budgets as memory held outside the
-    engine; 0 where there is none (an engine that donates counts its arena as it appears)."""
+    engine; 0 where there is none (an engine that donates counts what it gave as its own use:
+    :func:`engine_client.vllm.startup.counted_as_own`)."""
     known = known_fields(
         vllm_config,
         model_config,

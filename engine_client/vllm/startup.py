@@ -20,7 +20,8 @@ then take its GPU's start-up slot. Where in vLLM's worker this happens, and why
 - From the moment the slot is held until the warm-up ends, vLLM's reading of free GPU memory
   sees this process's own use alone (:func:`.internals.see_only_own_memory`): engines that start,
   end or wake beside it (their contexts created before they queue for the slot, a killed
-  engine's memory freed, a standby's KV cache allocated) change nothing in its sizing.
+  engine's memory freed, a standby's KV cache allocated) change nothing in its sizing. A donor's
+  own use includes the weights it gave the daemon (:func:`counted_as_own`).
 - A warm standby started while another engine holds most of the GPU (``weight-cache standby``
   sets ``WEIGHT_CACHE_STANDBY_GROUP``) lowers its budget to what is free
   (:func:`fit_standby_budget`), rather than being refused by ``request_memory``: it takes over
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 
 from engine_client.client import ClientConfig
+from engine_client.donations import bytes_donated_here
 from engine_client.freed_memory import wait_for_this_gpu
 from engine_client.gpu_room import DeviceProcesses
 from engine_client.loader_options import LoaderOptions
@@ -122,13 +124,25 @@ def see_own_memory_while_sizing() -> None:
             "it change"
         )
         return
-    restore = see_only_own_memory(usage.own, index)
+    restore = see_only_own_memory(counted_as_own(usage.own), index)
 
     def done() -> None:
         restore()
         usage.close()
 
     after_warm_up(done)
+
+
+def counted_as_own(driver_count: Callable[[], int | None]) -> Callable[[], int | None]:
+    """This process's bytes as its KV sizing counts them: the driver's count, plus the weights
+    it donated (:func:`~engine_client.donations.bytes_donated_here`: held by the daemon since,
+    so that a donor's KV cache is the default loader's at the same utilization)."""
+
+    def own() -> int | None:
+        counted = driver_count()
+        return None if counted is None else counted + bytes_donated_here()
+
+    return own
 
 
 # Kept free beside a standby fitted into what is left of a GPU: allocator rounding, cuBLAS and

@@ -25,7 +25,7 @@ from harness.checkpoint_tools import dequantized
 from harness.daemon_process import DaemonProcess, start_daemon
 from service.demo import write_demo_checkpoint
 from tests.gpu.processes import LoggedProcess
-from tests.gpu.vllm_logs import loading_figures
+from tests.gpu.vllm_logs import KV_CACHE, loading_figures
 from tests.vllm.model_state import ModelState
 
 pytestmark = [
@@ -34,6 +34,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM 0.33"),
 ]
 ENGINE_TIMEOUT_S = 600.0
+KV_SLACK_GIB = 0.25  # allocator rounding and workspaces between two engines' profiles
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -78,6 +79,13 @@ def engine(
     return result
 
 
+def kv_cache_gib(log: str) -> float:
+    """The KV cache an engine's profile left it (vLLM's "Available KV cache memory")."""
+    found = KV_CACHE.search(log)
+    assert found is not None, log[-2000:]
+    return float(found.group(1))
+
+
 def state(work: Path, name: str) -> tuple[ModelState, dict[str, bool]]:
     raw = json.loads((work / f"{name}.state.json").read_text())
     tensors = {k: tuple(v) for k, v in raw["tensors"].items()}
@@ -103,6 +111,11 @@ def test_a_donor_and_an_attacher_compute_what_the_default_loader_does(
     assert f"attached donated model {model['id']}" in e["log"]
 
     assert d["tokens"] == a["tokens"] and e["tokens"] == a["tokens"]
+    # Both keep the default loader's meaning of --gpu-memory-utilization: its KV cache. (The
+    # donor once counted only what its own allocator held after giving its weights away: three
+    # times the default loader's KV cache on the 8B shape, beyond its budget.)
+    kv = {name: kv_cache_gib(r["log"]) for name, r in (("A", a), ("D", d), ("E", e))}
+    assert abs(kv["D"] - kv["A"]) <= KV_SLACK_GIB and abs(kv["E"] - kv["A"]) <= KV_SLACK_GIB, kv
     expected, _ = state(tmp_path, "A")
     for name in ("D", "E"):
         got, in_engine = state(tmp_path, name)

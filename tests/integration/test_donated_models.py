@@ -20,7 +20,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_client.arenas import open_arena
 from engine_client.attach import Attachment, attach
 from engine_client.client import ClientConfig, DaemonClient
-from engine_client.donations import abandon_call, donated_specs, offer_call
+from engine_client.donations import (
+    abandon_call,
+    bytes_donated_here,
+    donated_specs,
+    offer_call,
+)
 from engine_client.verify import Expectations
 from harness.daemon_process import (
     DaemonProcess,
@@ -62,6 +67,7 @@ def test_a_donation_is_leased_zero_copy_with_its_bytes(
     daemon: DaemonProcess, tiny_fp8: Path
 ) -> None:
     tensors = some_tensors()
+    given_before = bytes_donated_here()
     model = donate_tensors(daemon.url, key_for(tiny_fp8), tensors)
     with _attach(daemon.url, model) as attachment:
         assert attachment.zero_copy()
@@ -77,6 +83,9 @@ def test_a_donation_is_leased_zero_copy_with_its_bytes(
         assert info["donor"]["uid"] == os.geteuid() and info["donor"]["pid"] == os.getpid()
         assert [d["model"] for d in listed] == [model]
         assert model in {m["id"] for m in inventory["models"]}
+    # What this process gave is what the daemon holds for it, counted as this process's own
+    # when it sizes a KV cache (engine_client.vllm.startup.counted_as_own).
+    assert bytes_donated_here() - given_before == info["bytes_resident"] > 0
 
 
 def test_a_rank_of_many_tensors_is_donated(daemon: DaemonProcess, tiny_fp8: Path) -> None:
@@ -168,8 +177,10 @@ def test_a_gpu_donation_is_refused_by_a_daemon_on_the_cpu(
 ) -> None:
     """A key of a GPU asks for an arena on that GPU: a daemon on the CPU refuses it, typed and
     with its hint, and registers nothing."""
+    given_before = bytes_donated_here()
     with pytest.raises(DonationDeviceError) as err:
         donate_tensors(daemon.url, key_for(tiny_fp8, **ABSENT_GPU))
+    assert bytes_donated_here() == given_before  # nothing given, nothing counted
     assert "host shared memory only" in err.value.detail
     assert err.value.extra["device"] == ABSENT_GPU["device_uuid"]
     with httpx.Client(base_url=daemon.url) as http:

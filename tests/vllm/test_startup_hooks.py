@@ -115,3 +115,14 @@ def test_after_warm_up_wraps_the_workers_method_once_and_runs_even_on_failure() 
         assert Worker.compile_or_warm_up_model is wrapped  # not wrapped twice
     finally:
         Worker.compile_or_warm_up_model = original
+
+
+def test_a_donor_counts_the_weights_it_gave_as_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While an engine sizes its KV cache it sees its own use alone; a donor's own use includes
+    the weights the daemon holds for it since its donation (else its KV cache would take the
+    budget its weights had under vLLM's default loader). The driver's silence stays silence."""
+    from engine_client.vllm import startup
+
+    monkeypatch.setattr(startup, "bytes_donated_here", lambda: 3 * GiB)
+    assert startup.counted_as_own(lambda: 2 * GiB)() == 5 * GiB
+    assert startup.counted_as_own(lambda: None)() is None
