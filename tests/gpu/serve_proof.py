@@ -57,6 +57,7 @@ import tarfile
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -136,6 +137,18 @@ def engine_cache_env(volume: Path) -> dict[str, str]:
     block: dict[str, str] = yaml.safe_load(COMPOSE.read_text())["x-engine-cache"]
     mount = Path(block["XDG_CACHE_HOME"])
     return {name: str(volume / Path(path).relative_to(mount)) for name, path in block.items()}
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    """What one engine of the proof starts with: its port, how it loads the model (``loader``:
+    the ``weight_cache`` loader's config, else None), its share of GPU memory, further flags."""
+
+    port: int
+    load_format: str
+    loader: dict[str, Any] | None
+    utilization: float
+    extra: tuple[str, ...] = ()
 
 
 class ServeProof:
@@ -376,21 +389,14 @@ class ServeProof:
 
     # --- engines -------------------------------------------------------------------------------
 
-    def engine_argv(
-        self,
-        port: int,
-        load_format: str,
-        loader: dict[str, Any] | None,
-        utilization: float,
-        extra: tuple[str, ...] = (),
-    ) -> list[str]:
+    def engine_argv(self, launch: EngineLaunch) -> list[str]:
         return vllm_serve_argv(
             self.checkpoint,
-            port,
-            load_format,
-            loader=loader,
-            gpu_memory_utilization=utilization,
-            extra_args=extra,
+            launch.port,
+            launch.load_format,
+            loader=launch.loader,
+            gpu_memory_utilization=launch.utilization,
+            extra_args=launch.extra,
         )
 
     def start_standby(self, name: str, port: int, utilization: float | None = None) -> ServeEngine:
@@ -398,7 +404,8 @@ class ServeProof:
         assert self.daemon is not None
         url = self.daemon.command.url
         share = self.args.gpu_memory_utilization if utilization is None else utilization
-        engine = self.engine_argv(port, "weight_cache", loader_config(url), share, self.sleep_args)
+        launch = EngineLaunch(port, "weight_cache", loader_config(url), share, self.sleep_args)
+        engine = self.engine_argv(launch)
         argv = [sys.executable, "-m", "weight_cache_cli", "standby", "--url", url, "--", *engine]
         self.expect_donation(name, "weight_cache")
         started = ServeEngine(name, argv, port, self.logs / f"{name}.log", self.env)
@@ -428,7 +435,7 @@ class ServeProof:
             loader = loader_config(self.daemon.command.url, extra)
         port = free_port()
         share = self.args.gpu_memory_utilization if utilization is None else utilization
-        argv = self.engine_argv(port, load_format, loader, share)
+        argv = self.engine_argv(EngineLaunch(port, load_format, loader, share))
         self.expect_donation(name, load_format)
         engine = ServeEngine(name, argv, port, self.logs / f"{name}.log", env or self.env)
         self.started.append(engine)

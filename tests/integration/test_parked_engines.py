@@ -95,6 +95,12 @@ def children():
         child.stop(signal.SIGKILL)
 
 
+@pytest.fixture
+def url(daemon_process: DaemonProcess) -> str:
+    """The address of a running daemon serving ``tiny``, the one every engine here is sent to."""
+    return daemon_process.url
+
+
 def parked(url: str) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = httpx.get(f"{url}/v1/parking").json()
     return found
@@ -119,9 +125,8 @@ def releases(url: str, cause: str) -> float:
 
 
 def test_the_parked_engine_takes_over_when_the_serving_one_is_killed(
-    daemon_process: DaemonProcess, tiny_fp8: Path, children
+    url: str, tiny_fp8: Path, children
 ) -> None:
-    url = daemon_process.url
     serving = children("hold", url, "tiny")
     assert serving.next()["lease"]
     standby = park_one(children, url, tiny_fp8)
@@ -145,9 +150,8 @@ def test_the_parked_engine_takes_over_when_the_serving_one_is_killed(
 
 
 def test_an_engine_that_exits_cleanly_releases_the_parked_one_once_gone(
-    daemon_process: DaemonProcess, tiny_fp8: Path, children
+    url: str, tiny_fp8: Path, children
 ) -> None:
-    url = daemon_process.url
     serving = children("attach-hold", url, "tiny", str(tiny_fp8))
     serving.next()
     standby = park_one(children, url, tiny_fp8)
@@ -158,10 +162,7 @@ def test_an_engine_that_exits_cleanly_releases_the_parked_one_once_gone(
     assert releases(url, "lease_ended") == 1.0
 
 
-def test_release_over_rest_and_the_cli(
-    daemon_process: DaemonProcess, tiny_fp8: Path, children
-) -> None:
-    url = daemon_process.url
+def test_release_over_rest_and_the_cli(url: str, tiny_fp8: Path, children) -> None:
     first = children("park", url, "tiny", str(tiny_fp8))
     second = children("park", url, "tiny", str(tiny_fp8))
     wait_for(lambda: sorted(waiting_pids(url)) == sorted([first.process.pid, second.process.pid]))
@@ -194,10 +195,7 @@ def test_release_over_rest_and_the_cli(
     assert releases(url, "operator") == 2.0
 
 
-def test_cancel_falls_back_with_its_reason(
-    daemon_process: DaemonProcess, tiny_fp8: Path, children
-) -> None:
-    url = daemon_process.url
+def test_cancel_falls_back_with_its_reason(url: str, tiny_fp8: Path, children) -> None:
     standby = park_one(children, url, tiny_fp8)
     (entry,) = parked(url)
     cli(url, "parking", "cancel", entry["id"])
@@ -205,10 +203,7 @@ def test_cancel_falls_back_with_its_reason(
     wait_for(lambda: parked(url) == [])
 
 
-def test_park_timeout_falls_back_and_withdraws(
-    daemon_process: DaemonProcess, tiny_fp8: Path, children
-) -> None:
-    url = daemon_process.url
+def test_park_timeout_falls_back_and_withdraws(url: str, tiny_fp8: Path, children) -> None:
     standby = children("park", url, "tiny", str(tiny_fp8), "1.5")
     assert standby.next() == {"cause": None, "source": "disk", "reason": "park_timeout"}
     assert parked(url) == []
@@ -297,10 +292,7 @@ def test_a_parked_engine_parks_again_with_a_restarted_daemon(
         second.stop()
 
 
-def test_engines_sharing_a_device_start_one_after_another(
-    daemon_process: DaemonProcess, children
-) -> None:
-    url = daemon_process.url
+def test_engines_sharing_a_device_start_one_after_another(url: str, children) -> None:
     first = children("slot", url, "GPU-test-0")
     assert first.next() == {"held": True}
     second = children("slot", url, "GPU-test-0")

@@ -12,13 +12,12 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.gpu.caddy_proxy import CADDYFILE, find_caddy
 from tests.gpu.daemon_runner import DaemonCommand
-from tests.gpu.serve_proof import ServeProof, parse_args
+from tests.gpu.serve_proof import EngineLaunch, ServeProof, parse_args
 from tests.proof_tools.test_serve_tools import TEST_CADDYFILE
 
 pytestmark = pytest.mark.slow
@@ -30,15 +29,9 @@ class HarnessOnCpu(ServeProof):
     checkpoint_device, daemon_device = "cpu", "cpu"
     sleep_args = ()  # the stand-in answers the sleep endpoints; there is no memory to free
 
-    def engine_argv(
-        self,
-        port: int,
-        load_format: str,
-        loader: dict[str, Any] | None,
-        utilization: float,
-        extra: tuple[str, ...] = (),
-    ) -> list[str]:
-        argv = [sys.executable, "-m", "tests.gpu.token_server", "--port", str(port)]
+    def engine_argv(self, launch: EngineLaunch) -> list[str]:
+        argv = [sys.executable, "-m", "tests.gpu.token_server", "--port", str(launch.port)]
+        loader = launch.loader
         if loader is not None:  # weight_cache: lease the model as the engine would
             argv += ["--attach", loader["url"], "--checkpoint", str(self.checkpoint)]
             if not self.processed:  # attach to the donated model, else donate it

@@ -91,9 +91,13 @@ def model_state(model: nn.Module) -> ModelState:
     first: dict[int, str] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         prefix = f"{module_name}." if module_name else ""
-        named: list[tuple[str, str, torch.Tensor]] = []
-        named += [("param", k, v) for k, v in module._parameters.items() if v is not None]
-        named += [("buffer", k, v) for k, v in module._buffers.items() if v is not None]
+        # torch's own enumeration of this module's parameters and buffers (every name of a shared
+        # one kept), not the dicts behind it that the donation walk reads
+        own = {"recurse": False, "remove_duplicate": False}
+        named: list[tuple[str, str, torch.Tensor]] = [
+            *(("param", k, v) for k, v in module.named_parameters(**own)),
+            *(("buffer", k, v) for k, v in module.named_buffers(**own)),
+        ]
         named += [
             ("attr", k, v)
             for k, v in vars(module).items()
