@@ -43,6 +43,7 @@ from modelopt_fp8.checkpoint.quant_config import (
     quant_config_from,
 )
 from modelopt_fp8.checkpoint.safetensors_files import (
+    Span,
     TensorInfo,
     TensorReader,
     index_tensors,
@@ -172,17 +173,10 @@ class Checkpoint(contextlib.AbstractContextManager["Checkpoint"]):
             self._read_files,
         )
 
-    def read(
-        self,
-        name: str,
-        rows: tuple[int, int] | None = None,
-        cols: tuple[int, int] | None = None,
-    ) -> torch.Tensor:
+    def read(self, name: str, rows: Span | None = None, cols: Span | None = None) -> torch.Tensor:
         return self._reader.read(name, rows=rows, cols=cols)
 
-    def read_into(
-        self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None
-    ) -> torch.Tensor:
+    def read_into(self, name: str, out: torch.Tensor, rows: Span | None = None) -> torch.Tensor:
         return self._reader.read_into(name, out, rows=rows)
 
     def close(self) -> None:

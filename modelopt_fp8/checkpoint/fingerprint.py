@@ -294,10 +294,11 @@ def checkpoint_digests(
     directory: Path,
     weights: list[Path],
     headers: dict[str, bytes],
-    opened: dict[str, int] | None = None,
-    read: Mapping[str, ReadFile] | None = None,
+    opened: dict[str, int],
+    read: Mapping[str, ReadFile],
 ) -> CheckpointDigests:
-    """The cheap tiers of ``directory`` (``full`` is left to whoever reads every byte)."""
+    """The cheap tiers of ``directory`` as a load opened it (``full`` is left to whoever reads
+    every byte): its files through the descriptors and small files the load checked."""
     files = identity_files(directory, weights, read)
     with _typed(directory):
         return CheckpointDigests(

@@ -15,7 +15,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
@@ -27,6 +27,9 @@ from modelopt_fp8.checkpoint.opened import (
     parse_json_object,
 )
 from protocol.errors import CorruptFileError, InvalidConfigError, MissingTensorError
+
+Span: TypeAlias = tuple[int, int]
+"""A half-open index range ``(start, stop)`` of a tensor's rows or columns."""
 
 INDEX_FILE = "model.safetensors.index.json"
 # Far larger than any real checkpoint (a 70B model's headers are ~100 KB in all, a dense model
@@ -318,7 +321,7 @@ class TensorReader:
         return {f.name: f.fd for f in self._files.values()}
 
     def _locate(
-        self, name: str, rows: tuple[int, int] | None
+        self, name: str, rows: Span | None
     ) -> tuple[TensorInfo, OpenedFile, int, tuple[int, ...]]:
         """The tensor's file, the offset of ``rows`` and the shape read."""
         info = self._tensors.get(name)
@@ -335,12 +338,7 @@ class TensorReader:
         row_bytes = info.nbytes // n if n else 0
         return info, file, info.offset + start * row_bytes, (stop - start, *info.shape[1:])
 
-    def read(
-        self,
-        name: str,
-        rows: tuple[int, int] | None = None,
-        cols: tuple[int, int] | None = None,
-    ) -> torch.Tensor:
+    def read(self, name: str, rows: Span | None = None, cols: Span | None = None) -> torch.Tensor:
         """The tensor, optionally narrowed to ``rows``/``cols`` (half-open ranges). Rows are
         read alone (they are contiguous); columns are a view of the rows read."""
         info, file, offset, shape = self._locate(name, rows)
@@ -351,9 +349,7 @@ class TensorReader:
             tensor = tensor[:, cols[0] : cols[1]]
         return tensor
 
-    def read_into(
-        self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None
-    ) -> torch.Tensor:
+    def read_into(self, name: str, out: torch.Tensor, rows: Span | None = None) -> torch.Tensor:
         """Read the tensor (or ``rows`` of it) straight into ``out``, a contiguous CPU tensor
         of the same number of bytes (no intermediate buffer)."""
         info, file, offset, shape = self._locate(name, rows)

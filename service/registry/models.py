@@ -77,7 +77,6 @@ class ModelRecord:
             )
 
     def info(self, active_leases: int) -> ModelInfo:
-        p = self.progress
         first = self.ranks[0].manifest if self.ranks else None
         error = None
         if self.error is not None:
@@ -92,12 +91,7 @@ class ModelRecord:
             path=str(self.path),
             state=self.state,
             tp_size=self.tp_size,
-            progress=LoadProgress(
-                bytes_done=p.bytes_done,
-                bytes_total=p.bytes_total,
-                tensors_done=p.tensors_done,
-                tensors_total=p.tensors_total,
-            ),
+            progress=LoadProgress.model_validate(self.progress, from_attributes=True),
             error=error,
             architecture=self.checkpoint.architecture if self.checkpoint else None,
             quant_algo=self.checkpoint.quant_algo if self.checkpoint else None,
