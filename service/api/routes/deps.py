@@ -42,7 +42,8 @@ CallerDep = Annotated[Caller, Depends(get_caller)]
 
 
 # A lease, parked engine or start-up slot ticket: ``<boot id>.<random>``.
-RegistrationId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$")]
+REGISTRATION_ID_PATTERN = r"^[0-9a-f]{1,64}\.[0-9a-f]{1,64}$"
+RegistrationId = Annotated[str, PathParam(pattern=REGISTRATION_ID_PATTERN)]
 ModelId = Annotated[str, PathParam(pattern=MODEL_ID_PATTERN)]
 
 

@@ -13,14 +13,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Query, Response, status
+from fastapi import Query
 
-from protocol.schemas.parking import (
-    MAX_WAIT_S,
-    ParkedEngine,
-    ParkRequest,
-    ParkState,
-)
+from protocol.schemas.parking import ParkedEngine, ParkRequest, ParkState
 from protocol.schemas.tensor_parallel import MAX_TP_SIZE
 from service.api.problems import problem_responses
 from service.api.routes.deps import (
@@ -28,68 +23,33 @@ from service.api.routes.deps import (
     DaemonDep,
     ModelId,
     RegistrationId,
-    WaitsDep,
     caller_router,
-    no_content,
 )
+from service.api.routes.registrations import RegistrationRoutes
+from service.registry.lease_desk import LeaseDesk
 
 router = caller_router("/v1/parking", "parking")
-WaitS = Annotated[
-    float,
-    Query(ge=0, le=MAX_WAIT_S, description="answer once released or cancelled, or after this"),
-]
 
 
-@router.post(
-    "",
-    response_model=ParkedEngine,
-    status_code=status.HTTP_201_CREATED,
-    summary="Park one TP rank of an engine until it is released",
-    responses=problem_responses(404, 429),
-)
-def park(
-    body: ParkRequest, response: Response, daemon: DaemonDep, caller: CallerDep
-) -> ParkedEngine:
-    entry = daemon.desk.park(body, caller)
-    response.headers["Location"] = f"/v1/parking/{entry.id}"
-    return entry
-
-
-@router.get(
-    "", response_model=list[ParkedEngine], summary="Every parked engine (rank) the caller may touch"
-)
-def list_parked(daemon: DaemonDep, caller: CallerDep) -> list[ParkedEngine]:
-    return daemon.desk.parked(caller)
-
-
-@router.get(
-    "/{parked_id}",
-    response_model=ParkedEngine,
-    summary="One parked engine; with wait_s, answers once it is released or cancelled",
-    responses=problem_responses(404, 409),
-)
-async def get_parked(
-    parked_id: RegistrationId,
-    daemon: DaemonDep,
-    waits: WaitsDep,
-    caller: CallerDep,
-    wait_s: WaitS = 0.0,
-) -> ParkedEngine:
-    def read() -> ParkedEngine:
-        return daemon.desk.parked_engine(parked_id, caller, wait_s)
-
-    return await waits.until(parked_id, read, lambda e: e.state is not ParkState.parked, wait_s)
-
-
-@router.delete(
-    "/{parked_id}",
-    status_code=status.HTTP_204_NO_CONTENT,
-    summary="Withdraw a registration (the engine's own, once it is done waiting)",
-    responses=problem_responses(404, 409),
-)
-def withdraw(parked_id: RegistrationId, daemon: DaemonDep, caller: CallerDep) -> Response:
-    daemon.desk.withdraw(parked_id, caller)
-    return no_content()
+RegistrationRoutes(
+    request=ParkRequest,
+    model=ParkedEngine,
+    id_name="parked_id",
+    names=("park", "list_parked", "get_parked", "withdraw"),
+    summaries=(
+        "Park one TP rank of an engine until it is released",
+        "Every parked engine (rank) the caller may touch",
+        "One parked engine; with wait_s, answers once it is released or cancelled",
+        "Withdraw a registration (the engine's own, once it is done waiting)",
+    ),
+    create_errors=(404, 429),
+    wait_description="answer once released or cancelled, or after this",
+    create=LeaseDesk.park,
+    listed=LeaseDesk.parked,
+    read=LeaseDesk.parked_engine,
+    done=lambda entry: entry.state is not ParkState.parked,
+    remove=LeaseDesk.withdraw,
+).add_to(router)
 
 
 @router.post(

@@ -80,6 +80,9 @@ def test_refusals(served: Served) -> None:
     assert c.post("/v1/parking", json=park_body(tp_rank="0")).status_code == 422  # strict
     assert c.get("/v1/parking/nothex").status_code == 422
     assert c.get("/v1/parking/ab.cd?wait_s=61").status_code == 422  # long-polls are bounded
+    assert c.get("/v1/startup-slots/nothex").status_code == 422
+    assert c.delete("/v1/startup-slots/nothex").status_code == 422
+    assert c.get("/v1/startup-slots/ab.cd?wait_s=61").status_code == 422
     old = c.get("/v1/parking/0123.abcd")
     assert old.status_code == 409 and old.json()["code"] == "daemon_restarted"
     assert served.client.get("/v1/parking").json() == []
@@ -131,6 +134,7 @@ def test_startup_slots_one_at_a_time(served: Served) -> None:
     assert first.status_code == 201, first.text
     held = SlotTicket.model_validate(first.json())
     assert held.state.value == "held" and held.ahead == 0
+    assert first.headers["location"] == f"/v1/startup-slots/{held.id}"
     queued = SlotTicket.model_validate(
         c.post("/v1/startup-slots", json=slot_body("b", client_pid=1)).json()
     )
