@@ -23,6 +23,7 @@ DAEMON_OVERHEAD = GIB  # the daemon's GPU memory beyond its resident weights, at
 WARM_GOAL_S = 1.5  # kill -9 of the serving engine -> first token from the warm standby, median
 ASLEEP_GOAL = 2 * GIB  # a sleeping standby's GPU memory, at most
 FILL_GOAL = 0.9  # engines sized by the shared rule: KV caches and the weights, of the GPU
+KV_SLACK_GIB = 0.5  # a weight_cache engine's KV cache beside the default loader's, same setting
 
 
 def _median(values: Iterable[float | None]) -> float | None:
@@ -198,7 +199,7 @@ def evaluate(summary: dict[str, Any]) -> list[dict[str, Any]]:
     """The checks the figures decide: tokens against the default loader's, the daemon's memory,
     and each scenario's goals (parked restart, no failed request, daemon re-adoption)."""
     checks = _token_checks(summary) + _daemon_memory_checks(summary)
-    checks += _donation_checks(summary)
+    checks += _donation_checks(summary) + _kv_cache_checks(summary)
     scenarios = summary.get("scenarios", {})
     if "parked" in scenarios:
         checks += _parked_checks(scenarios["parked"], restart_to_first_token(summary, "auto"))
@@ -234,6 +235,43 @@ def _donation_checks(summary: dict[str, Any]) -> list[dict[str, Any]]:
             None if donation.get("state") == "ready" else donation or "no engine donated",
         )
     ]
+
+
+# The runs whose engine started alone at the proof's --gpu-memory-utilization: the restart
+# scenario's, R0 (the default loader's tokens) and the donor of a donated scheme.
+ALONE_SCENARIOS = ("restart", "reference", "donation")
+
+
+def _kv_cache_checks(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each ``weight_cache`` engine started alone (the donor of a donated scheme included) sized
+    its KV cache as vLLM's default loader does at the same ``--gpu-memory-utilization``: the
+    weights it attached to, or gave the daemon, count as its own while it sizes (a bf16 donor
+    once took three times the default loader's KV cache)."""
+    runs = {
+        name: run
+        for name, run in summary.get("runs", {}).items()
+        if run.get("scenario") in ALONE_SCENARIOS and run.get("ok")
+    }
+    reference = _median(
+        (run.get("phases") or {}).get("kv_cache_gib")
+        for run in runs.values()
+        if run.get("load_format") == "auto"
+    )
+    if reference is None:
+        return []
+    checks = []
+    for name, run in runs.items():
+        if run.get("load_format") != "weight_cache":
+            continue
+        kv = (run.get("phases") or {}).get("kv_cache_gib")
+        checks.append(
+            _check(
+                f"{name}: KV cache as the default loader's at the same setting ({kv} GiB "
+                f"against {reference} GiB, within {KV_SLACK_GIB} GiB)",
+                kv is not None and abs(kv - reference) <= KV_SLACK_GIB,
+            )
+        )
+    return checks
 
 
 def _container_checks(fresh: dict[str, Any] | None) -> list[dict[str, Any]]:

@@ -540,3 +540,32 @@ def test_a_donated_scheme_is_judged_with_the_donation_in_place_of_the_daemons_mo
     }
     assert names["daemon restart: the new daemon holds the donated model donated-ab again"]
     assert not [n for n in names if "did not read the checkpoint" in n]
+
+
+def test_every_weight_cache_restart_sizes_its_kv_cache_as_the_default_loader() -> None:
+    """The donor and the attacher alike: a KV cache off the default loader's by more than the
+    slack fails, naming the engine; with no default-loader run there is nothing to judge."""
+
+    def sized(fmt: str, kv: float, **more: object) -> dict[str, Any]:
+        phases = {"model_loading_s": 3.7, "kv_cache_gib": kv, "at_s": {}}
+        return _run(fmt, 40.0, [[1]], **more) | {"phases": phases}
+
+    runs = {
+        "R0": dict(sized("auto", 7.76), scenario="reference"),
+        "A2": sized("auto", 7.80),
+        "donor": dict(sized("weight_cache", 22.72), scenario="donation"),
+        "B1": sized("weight_cache", 22.72, donation={"way": "donated"}),
+        "B2": sized("weight_cache", 7.70),
+        "C1": dict(sized("weight_cache", 3.1), scenario="crowd"),  # another setting: not judged
+    }
+    kv = {
+        c["check"].split(":")[0]: c["ok"]
+        for c in serve_report.evaluate({"runs": runs})
+        if "KV cache as the default loader's" in c["check"]
+    }
+    assert kv == {"donor": False, "B1": False, "B2": True}
+    runs["donor"] = dict(sized("weight_cache", 7.79), scenario="donation")
+    runs["B1"] = sized("weight_cache", 7.79, donation={"way": "donated"})
+    assert all(c["ok"] for c in serve_report.evaluate({"runs": runs}))
+    alone = {"B2": runs["B2"]}
+    assert not [c for c in serve_report.evaluate({"runs": alone}) if "KV cache" in c["check"]]
