@@ -207,12 +207,10 @@ def evaluate(summary: dict[str, Any]) -> list[dict[str, Any]]:
         checks += _stream_checks("hot standby", scenarios["standby"].get("account"))
     if "daemon_restart" in scenarios:
         checks += _daemon_checks(scenarios["daemon_restart"])
-    for name in ("crowd", "crowd_serving"):
-        if name in scenarios:
-            checks += _crowd_checks(name, scenarios[name])
-    for name in ("warm", "tight"):
-        if name in scenarios:
-            checks += _warm_checks(name, scenarios[name])
+    for name, crowd in each_of(scenarios, "crowd", "crowd_serving"):
+        checks += _crowd_checks(name, crowd)
+    for name, warm in each_of(scenarios, "warm", "tight"):
+        checks += _warm_checks(name, warm)
     if "container" in scenarios:
         checks += _container_checks(summary.get("runs", {}).get("K1"))
     return checks
@@ -343,7 +341,7 @@ def _warm_checks(name: str, warm: dict[str, Any]) -> list[dict[str, Any]]:
         )
     )
     median = _median(times)
-    if name == "warm":
+    if name.startswith("warm"):
         checks.append(
             _check(
                 f"warm: kill -9 -> first token through the proxy <= {WARM_GOAL_S} s, median of "
@@ -352,6 +350,17 @@ def _warm_checks(name: str, warm: dict[str, Any]) -> list[dict[str, Any]]:
             )
         )
     return checks
+
+
+def each_of(scenarios: dict[str, Any], *kinds: str) -> list[tuple[str, dict[str, Any]]]:
+    """The scenarios of these kinds, each call's own where a merge kept several of one kind
+    (``crowd``, ``crowd.call3``), in the order of ``kinds``."""
+    return [
+        (name, scenario)
+        for kind in kinds
+        for name, scenario in scenarios.items()
+        if name.split(".call")[0] == kind
+    ]
 
 
 def merge(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -367,7 +376,9 @@ def merge(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
         merged["skipped"] += summary.get("skipped", [])
         for name, run in summary.get("runs", {}).items():
             merged["runs"][name if name not in merged["runs"] else f"{name}.call{index}"] = run
-        merged["scenarios"].update(summary.get("scenarios", {}))
+        for name, scenario in summary.get("scenarios", {}).items():
+            taken = name in merged["scenarios"]
+            merged["scenarios"][f"{name}.call{index}" if taken else name] = scenario
         merged["checks"] += [c for c in summary.get("checks", []) if not c.get("judged")]
     merged["checks"] += [dict(c, judged=True) for c in evaluate(merged)]
     return merged
@@ -518,7 +529,7 @@ def crowd_table(name: str, crowd: dict[str, Any]) -> list[str]:
 
 
 def warm_table(name: str, warm: dict[str, Any]) -> list[str]:
-    title = "Warm standby" if name == "warm" else "Warm standby, memory tight"
+    title = "Warm standby" if name.startswith("warm") else "Warm standby, memory tight"
     utilization = warm.get("utilization")
     out = [f"## {title}" + (f" (every engine at {utilization})" if utilization else ""), ""]
     out += [
@@ -598,12 +609,10 @@ def render(summary: dict[str, Any]) -> str:
     if "daemon_restart" in summary.get("scenarios", {}):
         out += ["## The daemon killed and started again under a serving engine", ""]
         out += [*daemon_table(summary["scenarios"]["daemon_restart"]), ""]
-    for name in ("crowd", "crowd_serving"):
-        if name in summary.get("scenarios", {}):
-            out += crowd_table(name, summary["scenarios"][name])
-    for name in ("warm", "tight"):
-        if name in summary.get("scenarios", {}):
-            out += warm_table(name, summary["scenarios"][name])
+    for name, crowd in each_of(summary.get("scenarios", {}), "crowd", "crowd_serving"):
+        out += crowd_table(name, crowd)
+    for name, warm in each_of(summary.get("scenarios", {}), "warm", "tight"):
+        out += warm_table(name, warm)
     checks = summary.get("checks", [])
     failed = [c for c in checks if not c["ok"]]
     out += [f"## Checks: {len(checks) - len(failed)} passed, {len(failed)} failed", ""]

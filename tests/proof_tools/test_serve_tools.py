@@ -569,3 +569,32 @@ def test_every_weight_cache_restart_sizes_its_kv_cache_as_the_default_loader() -
     assert all(c["ok"] for c in serve_report.evaluate({"runs": runs}))
     alone = {"B2": runs["B2"]}
     assert not [c for c in serve_report.evaluate({"runs": alone}) if "KV cache" in c["check"]]
+
+
+def test_a_merge_keeps_each_calls_crowd_and_judges_both(tmp_path: Path) -> None:
+    """Four engines in one call and two in the next: neither crowd replaces the other, both are
+    judged and both have their table."""
+
+    def crowd(engines: int, answered: int, share: float) -> dict[str, Any]:
+        run = {"answered": answered, "utilization": 0.3, "kv_and_weights_share": share}
+        return {"engines": engines, "rule": True, "runs": [run]}
+
+    calls = [
+        {"scenarios": {"crowd": crowd(4, 4, 0.92)}},
+        {"scenarios": {"crowd": crowd(2, 1, 0.8)}},
+    ]
+    paths = []
+    for i, call in enumerate(calls):
+        paths.append(tmp_path / f"s{i}.json")
+        paths[-1].write_text(json.dumps(call))
+    assert serve_report.main([*map(str, paths), "--out", str(tmp_path / "merged")]) == 1
+    merged = json.loads((tmp_path / "merged" / "summary.json").read_text())
+    assert set(merged["scenarios"]) == {"crowd", "crowd.call2"}
+    verdicts = {c["check"]: c["ok"] for c in merged["checks"]}
+    assert verdicts["crowd run 1: every engine started at once answered (4 of 4)"]
+    assert not verdicts["crowd.call2 run 1: every engine started at once answered (1 of 2)"]
+    assert not verdicts[
+        "crowd.call2 run 1: KV caches and the weights once fill at least 90% of the GPU (80.0%)"
+    ]
+    table = (tmp_path / "merged" / "table.md").read_text()
+    assert "## 4 engines started at once" in table and "## 2 engines started at once" in table
