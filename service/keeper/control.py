@@ -9,8 +9,9 @@ import socket
 import time
 from pathlib import Path
 
-from protocol.fd_passing import FramingError, peer_credentials, receive_message, send_message
-from service.keeper.messages import Envelope, Status, StatusReply
+from protocol.fd_passing import FramingError, peer_credentials
+from service.keeper.messages import Status, StatusReply
+from service.keeper.wire import receive, send
 from service.run_dir import KEEPER_SOCKET, answers
 
 _REPLY_BYTES = 1 << 20
@@ -25,13 +26,13 @@ def keeper_status(run_dir: Path, timeout_s: float = 10.0) -> StatusReply | None:
         try:
             sock.connect(str(Path(run_dir) / KEEPER_SOCKET))
             pid = peer_credentials(sock)[0]
-            send_message(sock, Envelope(message=Status()))
-            got = receive_message(sock, Envelope, _REPLY_BYTES)
+            send(sock, Status())
+            got = receive(sock, _REPLY_BYTES)
         except (OSError, FramingError):  # none there, or one stopping (it closes what it had)
             return None
-    if got is None or not isinstance(got[0].message, StatusReply):
+    if got is None or not isinstance(got[0], StatusReply):
         return None
-    return got[0].message.model_copy(update={"pid": pid})
+    return got[0].model_copy(update={"pid": pid})
 
 
 def stop_keeper(run_dir: Path, timeout_s: float = 30.0) -> StatusReply | None:

@@ -22,16 +22,14 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from protocol.errors import KeeperUnavailableError
-from protocol.fd_passing import FramingError, peer_credentials, receive_message, send_message
+from protocol.fd_passing import FramingError, peer_credentials
 from protocol.logsafe import get_logger
 from protocol.schemas.inventory import KeeperMode
 from service.keeper.messages import (
-    MAX_MESSAGE_BYTES,
     ArenaFd,
     Attach,
     DropLease,
     DropModel,
-    Envelope,
     KeptLease,
     KeptModel,
     PutLease,
@@ -39,6 +37,7 @@ from service.keeper.messages import (
     Refused,
     Snapshot,
 )
+from service.keeper.wire import receive, send
 from service.run_dir import KEEPER_LOG, KEEPER_SOCKET, answers
 
 log = get_logger(__name__)
@@ -154,9 +153,7 @@ class KeeperLink:
             sock.settimeout(timeout_s)
             sock.connect(str(self.path))
             self.pid = peer_credentials(sock)[0] or None
-            send_message(
-                sock, Envelope(message=Attach(pid=os.getpid(), boot_id=self.boot_id, resync=resync))
-            )
+            send(sock, Attach(pid=os.getpid(), boot_id=self.boot_id, resync=resync))
             return sock, self._read_snapshot(sock)
         except (OSError, FramingError) as exc:
             sock.close()
@@ -166,10 +163,10 @@ class KeeperLink:
             raise
 
     def _read_snapshot(self, sock: socket.socket) -> tuple[Snapshot, ArenaFds]:
-        got = receive_message(sock, Envelope, MAX_MESSAGE_BYTES)
+        got = receive(sock)
         if got is None:
             raise KeeperUnavailableError(f"the keeper on {self.path} hung up")
-        reply = got[0].message
+        reply = got[0]
         if isinstance(reply, Refused):
             raise KeeperUnavailableError(f"the keeper on {self.path} refused: {reply.detail}")
         if not isinstance(reply, Snapshot):
@@ -177,12 +174,12 @@ class KeeperLink:
         fds: ArenaFds = {}
         try:
             for _ in range(sum(len(m.arenas) for m in reply.models)):
-                arena = receive_message(sock, Envelope, MAX_MESSAGE_BYTES, max_fds=1)
-                if arena is None or not isinstance(arena[0].message, ArenaFd) or len(arena[1]) != 1:
+                arena = receive(sock, max_fds=1)
+                if arena is None or not isinstance(arena[0], ArenaFd) or len(arena[1]) != 1:
                     if arena is not None:
                         _close(arena[1])
                     raise KeeperUnavailableError(f"the keeper on {self.path} sent a bad arena")
-                fds[(arena[0].message.model, arena[0].message.rank)] = arena[1][0]
+                fds[(arena[0].model, arena[0].rank)] = arena[1][0]
         except BaseException:
             _close(list(fds.values()))
             raise
@@ -247,7 +244,7 @@ class KeeperLink:
                 if self._resync:  # what the resync sends covers this entry
                     continue
                 assert self._sock is not None
-                send_message(self._sock, Envelope(message=message), fds)
+                send(self._sock, message, fds)
             except (OSError, FramingError) as exc:
                 log.warning("lost the keeper (%s); attaching again", exc)
                 self._resync = True
@@ -276,11 +273,11 @@ class KeeperLink:
             for model, fds in models:
                 try:
                     for message, sent in _model_entries(model, fds):
-                        send_message(sock, Envelope(message=message), sent)
+                        send(sock, message, sent)
                 finally:
                     _close(fds)
             for lease in leases:
-                send_message(sock, Envelope(message=PutLease(lease=lease)))
+                send(sock, PutLease(lease=lease))
         except BaseException:
             sock.close()
             raise

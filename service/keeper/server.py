@@ -22,18 +22,14 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from protocol.fd_passing import FramingError, peer_credentials, receive_message, send_message
+from protocol.fd_passing import FramingError, peer_credentials
 from protocol.logsafe import get_logger
 from service.keeper.messages import (
     KEEPER_PROTOCOL,
-    MAX_MESSAGE_BYTES,
     ArenaFd,
     Attach,
     DropLease,
     DropModel,
-    Envelope,
-    KeptLease,
-    KeptModel,
     PutLease,
     PutModel,
     Refused,
@@ -41,75 +37,12 @@ from service.keeper.messages import (
     Status,
     StatusReply,
 )
-from service.memory.shm import remove_if_held
+from service.keeper.state import KeeperState
+from service.keeper.wire import receive, send
 from service.registry.lease_holders import trusted_uids
 from service.run_dir import KEEPER_SOCKET, listen_unix, prepare_run_dir
 
 log = get_logger(__name__)
-ArenaKey = tuple[str, int]  # (model id, rank)
-
-
-class KeeperState:
-    """What is held, under one lock: models, their arenas' descriptors, leases."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.models: dict[str, KeptModel] = {}
-        self.fds: dict[ArenaKey, int] = {}
-        self.pending: dict[ArenaKey, int] = {}  # received, their model not yet put
-        self.leases: dict[str, KeptLease] = {}
-
-    def put_fd(self, key: ArenaKey, fd: int) -> None:
-        with self.lock:
-            old = self.pending.pop(key, None)
-            self.pending[key] = fd
-        if old is not None:
-            os.close(old)
-
-    def put_model(self, model: KeptModel) -> None:
-        with self.lock:
-            stale = self._drop(model.id)
-            taken = {r.rank: self.pending.pop((model.id, r.rank), None) for r in model.arenas}
-            missing = [rank for rank, fd in taken.items() if fd is None]
-            if not missing:
-                self.models[model.id] = model
-                self.fds.update({(model.id, r): fd for r, fd in taken.items() if fd is not None})
-        for fd in stale + [fd for fd in taken.values() if fd is not None and missing]:
-            os.close(fd)
-        if missing:
-            log.error(
-                "model %s came without the descriptors of ranks %s: not kept", model.id, missing
-            )
-
-    def drop_model(self, model_id: str) -> None:
-        with self.lock:
-            stale = self._drop(model_id)
-        for fd in stale:
-            os.close(fd)
-
-    def _drop(self, model_id: str) -> list[int]:
-        self.models.pop(model_id, None)
-        keys = [k for k in self.fds if k[0] == model_id]
-        return [self.fds.pop(k) for k in keys]
-
-    def clear(self, remove_files: bool = False) -> None:
-        """Let go of everything; with ``remove_files`` (no daemon holds them), remove the
-        shared-memory files too, as the daemon would on unload."""
-        with self.lock:
-            files = [
-                (Path(a.shm_dir) / a.shm_name, self.fds.get((m.id, a.rank)))
-                for m in self.models.values()
-                for a in m.arenas
-                if a.shm_dir and a.shm_name
-            ]
-            if remove_files:
-                for path, fd in files:
-                    if fd is not None:
-                        remove_if_held(path, fd)
-            fds = [*self.fds.values(), *self.pending.values()]
-            self.models, self.fds, self.pending, self.leases = {}, {}, {}, {}
-        for fd in fds:
-            os.close(fd)
 
 
 class Keeper:
@@ -169,14 +102,14 @@ class Keeper:
             pid, uid, _ = peer_credentials(conn)
             if uid not in self.uids:
                 log.warning("refused a connection of uid %d (pid %d)", uid, pid)
-                send_message(conn, Envelope(message=Refused(detail=f"uid {uid} not allowed")))
+                send(conn, Refused(detail=f"uid {uid} not allowed"))
                 return
-            got = receive_message(conn, Envelope, MAX_MESSAGE_BYTES)
+            got = receive(conn)
             if got is None:
                 return
-            message = got[0].message
+            message = got[0]
             if isinstance(message, Status):
-                send_message(conn, Envelope(message=self._status()))
+                send(conn, self._status())
             elif isinstance(message, Attach):
                 self._daemon(conn, message)
         except (OSError, FramingError) as exc:
@@ -201,7 +134,7 @@ class Keeper:
                 f"this keeper speaks protocol {KEEPER_PROTOCOL}, the daemon {attach.protocol}: "
                 "stop the keeper (its models load again) and start the new version's"
             )
-            send_message(conn, Envelope(message=Refused(detail=detail)))
+            send(conn, Refused(detail=detail))
             return
         with self.state.lock:
             if self.daemon_pid is not None:
@@ -210,7 +143,7 @@ class Keeper:
                 busy, self.daemon_pid = None, attach.pid
         if busy is not None:
             detail = f"daemon pid {busy} holds this keeper"
-            send_message(conn, Envelope(message=Refused(detail=detail)))
+            send(conn, Refused(detail=detail))
             return
         log.info("daemon pid %d (boot %s) attached", attach.pid, attach.boot_id)
         try:
@@ -235,9 +168,9 @@ class Keeper:
                 for a in m.arenas
             ]
         try:
-            send_message(conn, Envelope(message=Snapshot(models=models, leases=leases)))
+            send(conn, Snapshot(models=models, leases=leases))
             for model, rank, fd in fds:
-                send_message(conn, Envelope(message=ArenaFd(model=model, rank=rank)), [fd])
+                send(conn, ArenaFd(model=model, rank=rank), [fd])
         finally:
             for _, _, fd in fds:
                 os.close(fd)
@@ -245,11 +178,10 @@ class Keeper:
     def _journal(self, conn: socket.socket) -> None:
         conn.settimeout(None)
         while True:
-            got = receive_message(conn, Envelope, MAX_MESSAGE_BYTES, max_fds=1)
+            got = receive(conn, max_fds=1)
             if got is None:
                 return
-            envelope, fds = got
-            message = envelope.message
+            message, fds = got
             if isinstance(message, ArenaFd) and len(fds) == 1:
                 self.state.put_fd((message.model, message.rank), fds[0])
                 continue

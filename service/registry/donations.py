@@ -21,7 +21,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -105,23 +105,15 @@ def _span_bytes(entry: TensorEntry) -> int:
     return (last + 1) * to_torch(entry.dtype).itemsize
 
 
+@dataclass(eq=False)  # identity: one daemon's donations
 class Donations:
-    def __init__(
-        self,
-        models: ModelTable,
-        lock: threading.RLock,
-        token_donations: bool,
-        daemon: DaemonIdentity,
-        arenas: DonationArenas,
-        metrics: Metrics,
-    ) -> None:
-        self.models = models
-        self.lock = lock
-        self.token_donations = token_donations
-        self.daemon = daemon
-        self.arenas = arenas
-        self.metrics = metrics
-        self.pending: dict[str, Pending] = {}
+    models: ModelTable
+    lock: threading.RLock
+    token_donations: bool
+    daemon: DaemonIdentity
+    arenas: DonationArenas
+    metrics: Metrics
+    pending: dict[str, Pending] = field(default_factory=dict, init=False)
 
     # --- the offer ----------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ sees, releases, cancels or withdraws it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import Query
@@ -27,6 +28,7 @@ from service.api.routes.deps import (
 )
 from service.api.routes.registrations import RegistrationRoutes
 from service.registry.lease_desk import LeaseDesk
+from service.registry.lease_holders import Caller
 
 router = caller_router("/v1/parking", "parking")
 
@@ -67,21 +69,28 @@ def release_oldest(
     return daemon.desk.release_oldest(model_id, tp_size, caller)
 
 
-@router.post(
-    "/{parked_id}/release",
-    response_model=list[ParkedEngine],
-    summary="Release this engine (all its ranks)",
-    responses=problem_responses(404, 409),
-)
-def release(parked_id: RegistrationId, daemon: DaemonDep, caller: CallerDep) -> list[ParkedEngine]:
-    return daemon.desk.release_parked(parked_id, caller)
+def _add_engine_action(
+    verb: str, summary: str, act: Callable[[LeaseDesk, str, Caller], list[ParkedEngine]]
+) -> None:
+    """``POST /{parked_id}/<verb>``: an operator's ``act`` on one parked engine, every rank of
+    it, answering those ranks."""
+
+    @router.post(
+        f"/{{parked_id}}/{verb}",
+        name=verb,
+        response_model=list[ParkedEngine],
+        summary=summary,
+        responses=problem_responses(404, 409),
+    )
+    def action(
+        parked_id: RegistrationId, daemon: DaemonDep, caller: CallerDep
+    ) -> list[ParkedEngine]:
+        return act(daemon.desk, parked_id, caller)
 
 
-@router.post(
-    "/{parked_id}/cancel",
-    response_model=list[ParkedEngine],
-    summary="Cancel this engine (all its ranks): it falls back or fails, per its options",
-    responses=problem_responses(404, 409),
+_add_engine_action("release", "Release this engine (all its ranks)", LeaseDesk.release_parked)
+_add_engine_action(
+    "cancel",
+    "Cancel this engine (all its ranks): it falls back or fails, per its options",
+    LeaseDesk.cancel_parked,
 )
-def cancel(parked_id: RegistrationId, daemon: DaemonDep, caller: CallerDep) -> list[ParkedEngine]:
-    return daemon.desk.cancel_parked(parked_id, caller)

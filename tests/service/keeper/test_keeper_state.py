@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from service.keeper.messages import KeptArena, KeptModel
-from service.keeper.server import KeeperState
+from service.keeper.state import KeeperState
 
 
 def kept(model_id: str, ranks: int, shm_dir: Path | None = None) -> KeptModel:
