@@ -39,7 +39,7 @@ from service.registry.model_table import ModelTable
 from service.registry.models import ModelRecord
 from service.registry.parking import ParkingLot
 from service.registry.startup_slots import StartupSlots, Ticket
-from service.registry.waiting_rules import Changes, WaitingCaps
+from service.registry.waiting_rules import Changes, RoomWiring, WaitingCaps
 from service.settings import DaemonSettings
 
 log = get_logger("service.daemon")  # the name operators filter the daemon's lines by
@@ -83,22 +83,17 @@ class LeaseDesk:
         caps = WaitingCaps(
             settings.max_parked, settings.max_parked_per_uid, settings.max_parked_per_client
         )
+        rooms = RoomWiring(boot_id, lock, caps, on_change=self.changes)
         self.parking = ParkingLot(
-            boot_id,
-            lock,
-            caps,
-            on_change=self.changes,
+            rooms,
             on_release=lambda cause: metrics.parked_releases.labels(cause=cause.value).inc(),
             known_model=models.get,
             serving=self.leases.serving,
             promote=self._promote,
         )
         self.startup_slots = StartupSlots(
-            boot_id,
-            lock,
-            caps,
+            rooms,
             settings.startup_slot_hold_s,
-            on_change=self.changes,
             on_reclaim=lambda why: metrics.startup_slot_reclaims.labels(why=why).inc(),
         )
         # Sweeps the moment a watched process ends (a serving engine killed: its standby wakes).

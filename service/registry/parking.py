@@ -23,7 +23,6 @@ group released (the metrics count them).
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,11 +39,7 @@ from protocol.schemas.parking import (
     ReleaseCause,
 )
 from service.registry.lease_holders import Caller, Holder
-from service.registry.waiting_rules import (
-    Registration,
-    WaitingCaps,
-    WaitingRoom,
-)
+from service.registry.waiting_rules import Registration, RoomWiring, WaitingRoom
 
 # Seconds a registration is kept past its last poll (or its end) without being asked for again.
 PARK_GRACE_S = 30.0
@@ -95,17 +90,14 @@ class ParkingLot(WaitingRoom[Parked]):
 
     def __init__(
         self,
-        boot_id: str,
-        lock: threading.RLock,
-        caps: WaitingCaps,
-        on_change: Callable[[str], None] | None = None,
+        wiring: RoomWiring,
         on_release: Callable[[ReleaseCause], None] | None = None,
         grace_s: float = PARK_GRACE_S,
         known_model: Callable[[str], object] | None = None,
         serving: Callable[[str], bool] | None = None,
         promote: Callable[[str, int | None], object] | None = None,
     ) -> None:
-        super().__init__(boot_id, lock, caps, on_change, grace_s)
+        super().__init__(wiring, grace_s)
         self.known_model = known_model  # raises for a model the daemon does not hold
         self.serving = serving  # whether an engine serves a model (not a standby's lease)
         self.promote = promote  # a released standby's group and user: its leases now serve

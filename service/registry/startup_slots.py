@@ -19,7 +19,6 @@ and one user and one process hold at most their share (:mod:`.waiting_rules`).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,11 +28,7 @@ from protocol.errors import (
 from protocol.logsafe import get_logger
 from protocol.schemas.startup_slots import SlotRequest, SlotState, SlotTicket
 from service.registry.lease_holders import Caller, Holder
-from service.registry.waiting_rules import (
-    Registration,
-    WaitingCaps,
-    WaitingRoom,
-)
+from service.registry.waiting_rules import Registration, RoomWiring, WaitingRoom
 
 log = get_logger(__name__)
 
@@ -64,15 +59,12 @@ class StartupSlots(WaitingRoom[Ticket]):
 
     def __init__(
         self,
-        boot_id: str,
-        lock: threading.RLock,
-        caps: WaitingCaps,
+        wiring: RoomWiring,
         hold_s: float,
-        on_change: Callable[[str], None] | None = None,
         on_reclaim: Callable[[str], None] | None = None,
         grace_s: float = SLOT_GRACE_S,
     ) -> None:
-        super().__init__(boot_id, lock, caps, on_change, grace_s)
+        super().__init__(wiring, grace_s)
         self.hold_s = hold_s
         self.on_reclaim = on_reclaim
 

@@ -172,6 +172,18 @@ class RankRequest(Protocol):
     group: str
 
 
+@dataclass(frozen=True)
+class RoomWiring:
+    """What the waiting rooms of one daemon share: its boot id (in every id they hand out), the
+    daemon's lock, one set of caps (a caller's parked engines and tickets count together), and
+    who is told of each change (the API's long-polls)."""
+
+    boot_id: str
+    lock: threading.RLock
+    caps: WaitingCaps
+    on_change: Callable[[str], None] | None = None
+
+
 class WaitingRoom(Generic[R]):
     """What the registries of waiting engines (parked engines, start-up slot tickets) share:
     their registrations by id (insertion order: first come first), admitted within the caps
@@ -181,18 +193,11 @@ class WaitingRoom(Generic[R]):
     what: ClassVar[str]  # one registration, in words ("parked engine")
     missing: ClassVar[type[WeightCacheError]]  # the refusal for an id not kept
 
-    def __init__(
-        self,
-        boot_id: str,
-        lock: threading.RLock,
-        caps: WaitingCaps,
-        on_change: Callable[[str], None] | None,
-        grace_s: float,
-    ) -> None:
-        self.boot_id = boot_id
-        self.lock = lock
-        self.caps = caps
-        self.on_change = on_change
+    def __init__(self, wiring: RoomWiring, grace_s: float) -> None:
+        self.boot_id = wiring.boot_id
+        self.lock = wiring.lock
+        self.caps = wiring.caps
+        self.on_change = wiring.on_change
         self.grace_s = grace_s  # kept this long past its last poll or its end
         self.kept: dict[str, R] = {}
 

@@ -3,8 +3,6 @@ engine that ends, caps, expiry, and processes that go away."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from protocol.errors import (
@@ -18,7 +16,7 @@ from protocol.schemas.parking import ParkRequest, ParkState, ReleaseCause
 from service.registry.lease_holders import Caller, Holder
 from service.registry.parking import Parked, ParkingLot
 from service.registry.waiting_rules import WaitingCaps
-from tests.service.registry.processes import ME, OWNER, caps, holder_of, start_of
+from tests.service.registry.processes import ME, OWNER, caps, holder_of, start_of, wiring
 
 
 class Lot:
@@ -34,10 +32,7 @@ class Lot:
                 raise ModelNotFoundError(f"no model {model}")
 
         self.lot = ParkingLot(
-            "b00t",
-            threading.RLock(),
-            limits or caps(),
-            on_change=self.changed.append,
+            wiring(limits, on_change=self.changed.append),
             on_release=self.releases.append,
             grace_s=10.0,
             known_model=known,

@@ -3,8 +3,6 @@ together without deadlock, slots taken back from dead or stuck engines."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from protocol.errors import (
@@ -15,7 +13,7 @@ from protocol.errors import (
 from protocol.schemas.startup_slots import SlotRequest, SlotState
 from service.registry.lease_holders import Caller
 from service.registry.startup_slots import StartupSlots, Ticket
-from tests.service.registry.processes import ME, OWNER, caps, holder_of, start_of
+from tests.service.registry.processes import ME, OWNER, holder_of, start_of, wiring
 
 
 class Slots:
@@ -23,11 +21,8 @@ class Slots:
         self.changed: list[str] = []
         self.reclaims: list[str] = []
         self.slots = StartupSlots(
-            "b00t",
-            threading.RLock(),
-            caps(),
+            wiring(on_change=self.changed.append),
             hold_s=100.0,
-            on_change=self.changed.append,
             on_reclaim=self.reclaims.append,
             grace_s=10.0,
         )

@@ -4,7 +4,6 @@ user's registration neither seen nor read."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ from service.registry.lease_holders import Caller
 from service.registry.parking import ParkingLot
 from service.registry.startup_slots import StartupSlots
 from service.registry.waiting_rules import Registration, WaitingCaps
-from tests.service.registry.processes import ME, OWNER, caps, holder_of
+from tests.service.registry.processes import ME, OWNER, caps, holder_of, wiring
 
 
 @dataclass
@@ -39,7 +38,7 @@ class Room:
 
 
 def parking(limits: WaitingCaps) -> Room:
-    lot = ParkingLot("b00t", threading.RLock(), limits)
+    lot = ParkingLot(wiring(limits))
 
     def park(group: str, pid: int, uid: int | None) -> Registration:
         req = ParkRequest(model="m", tp_rank=0, tp_size=1, client_pid=pid, group=group)
@@ -49,7 +48,7 @@ def parking(limits: WaitingCaps) -> Room:
 
 
 def startup_slots(limits: WaitingCaps) -> Room:
-    slots = StartupSlots("b00t", threading.RLock(), limits, hold_s=100.0)
+    slots = StartupSlots(wiring(limits), hold_s=100.0)
 
     def take(group: str, pid: int, uid: int | None) -> Registration:
         req = SlotRequest(device=f"GPU-{group}", tp_rank=0, tp_size=1, client_pid=pid, group=group)
