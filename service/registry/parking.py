@@ -85,6 +85,10 @@ class _Departing:
 
 
 class ParkingLot(WaitingRoom[Parked]):
+    """Engines started ahead of need, each rank waiting here until the daemon releases it: an
+    engine on its model ended (process gone, lease released) or an operator asked. A released
+    standby's leases then count as serving."""
+
     what = "parked engine"
     missing = ParkingNotFoundError
 

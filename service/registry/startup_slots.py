@@ -54,6 +54,9 @@ class Ticket(Registration):
 
 
 class StartupSlots(WaitingRoom[Ticket]):
+    """One slot per GPU: the engines that share it take vLLM's memory snapshot and size their
+    KV cache one at a time, so none counts another's start as its own use."""
+
     what = "start-up slot ticket"
     missing = StartupSlotNotFoundError
 
