@@ -19,8 +19,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pydantic import BaseModel
-
 from protocol.errors import KeeperUnavailableError
 from protocol.fd_passing import FramingError, peer_credentials
 from protocol.logsafe import get_logger
@@ -32,6 +30,7 @@ from service.keeper.messages import (
     DropModel,
     KeptLease,
     KeptModel,
+    Message,
     PutLease,
     PutModel,
     Refused,
@@ -46,7 +45,7 @@ ArenaFds = dict[tuple[str, int], int]  # (model id, rank) -> descriptor
 # Everything the daemon holds, for a keeper that missed entries: models with (duplicated)
 # descriptors of their arenas, in rank order, and leases.
 Holdings = Callable[[], tuple[list[tuple[KeptModel, list[int]]], list[KeptLease]]]
-Entry = tuple[BaseModel, list[int]]  # a message and the descriptors it carries (ours to close)
+Entry = tuple[Message, list[int]]  # a message and the descriptors it carries (ours to close)
 
 
 def _close(fds: list[int]) -> None:

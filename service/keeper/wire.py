@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import socket
 
-from pydantic import BaseModel
-
 from protocol.fd_passing import receive_message, send_message
 from service.keeper.messages import MAX_MESSAGE_BYTES, Envelope, Message
 
 
-def send(sock: socket.socket, message: BaseModel, fds: list[int] | tuple[int, ...] = ()) -> None:
+def send(sock: socket.socket, message: Message, fds: list[int] | tuple[int, ...] = ()) -> None:
     send_message(sock, Envelope(message=message), fds)
 
 
