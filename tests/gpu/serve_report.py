@@ -341,7 +341,7 @@ def _warm_checks(name: str, warm: dict[str, Any]) -> list[dict[str, Any]]:
         )
     )
     median = _median(times)
-    if name.startswith("warm"):
+    if scenario_kind(name) == "warm":
         checks.append(
             _check(
                 f"warm: kill -9 -> first token through the proxy <= {WARM_GOAL_S} s, median of "
@@ -352,6 +352,20 @@ def _warm_checks(name: str, warm: dict[str, Any]) -> list[dict[str, Any]]:
     return checks
 
 
+CALL_SUFFIX = ".call"  # a merge keeps a later call's run or scenario of a taken name as NAME.callN
+
+
+def merged_name(name: str, taken: dict[str, Any], call: int) -> str:
+    """The name a merge keeps call ``call``'s ``name`` under: its own unless an earlier call took
+    it."""
+    return f"{name}{CALL_SUFFIX}{call}" if name in taken else name
+
+
+def scenario_kind(name: str) -> str:
+    """The scenario a merged summary keeps under ``name`` (``crowd.call3`` is a ``crowd``)."""
+    return name.partition(CALL_SUFFIX)[0]
+
+
 def each_of(scenarios: dict[str, Any], *kinds: str) -> list[tuple[str, dict[str, Any]]]:
     """The scenarios of these kinds, each call's own where a merge kept several of one kind
     (``crowd``, ``crowd.call3``), in the order of ``kinds``."""
@@ -359,7 +373,7 @@ def each_of(scenarios: dict[str, Any], *kinds: str) -> list[tuple[str, dict[str,
         (name, scenario)
         for kind in kinds
         for name, scenario in scenarios.items()
-        if name.split(".call")[0] == kind
+        if scenario_kind(name) == kind
     ]
 
 
@@ -374,11 +388,9 @@ def merge(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
             if summary.get(key) and key not in merged:
                 merged[key] = summary[key]
         merged["skipped"] += summary.get("skipped", [])
-        for name, run in summary.get("runs", {}).items():
-            merged["runs"][name if name not in merged["runs"] else f"{name}.call{index}"] = run
-        for name, scenario in summary.get("scenarios", {}).items():
-            taken = name in merged["scenarios"]
-            merged["scenarios"][f"{name}.call{index}" if taken else name] = scenario
+        for key in ("runs", "scenarios"):
+            for name, entry in summary.get(key, {}).items():
+                merged[key][merged_name(name, merged[key], index)] = entry
         merged["checks"] += [c for c in summary.get("checks", []) if not c.get("judged")]
     merged["checks"] += [dict(c, judged=True) for c in evaluate(merged)]
     return merged
@@ -529,7 +541,7 @@ def crowd_table(name: str, crowd: dict[str, Any]) -> list[str]:
 
 
 def warm_table(name: str, warm: dict[str, Any]) -> list[str]:
-    title = "Warm standby" if name.startswith("warm") else "Warm standby, memory tight"
+    title = "Warm standby" if scenario_kind(name) == "warm" else "Warm standby, memory tight"
     utilization = warm.get("utilization")
     out = [f"## {title}" + (f" (every engine at {utilization})" if utilization else ""), ""]
     out += [
