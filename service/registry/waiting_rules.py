@@ -175,8 +175,8 @@ class RankRequest(Protocol):
 @dataclass(frozen=True)
 class RoomWiring:
     """What the waiting rooms of one daemon share: its boot id (in every id they hand out), the
-    daemon's lock, one set of caps (a caller's parked engines and tickets count together), and
-    who is told of each change (the API's long-polls)."""
+    daemon's lock, the caps (each room counts its own registrations against them), and who is
+    told of each change (the API's long-polls)."""
 
     boot_id: str
     lock: threading.RLock
