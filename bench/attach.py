@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ from engine_client.checkpoint_read import read_checkpoint
 from engine_client.client import ClientConfig
 from engine_client.verify import Expectations
 from harness.daemon_process import start_daemon
+from harness.python_child import run_python
 from harness.timing import percentile
 
 
@@ -66,9 +65,7 @@ with attach({model!r}, expectations(Path({str(path)!r})), config=ClientConfig(ur
     print(json.dumps({{"imports_ms": (t1 - t0) * 1e3, "context_ms": (t2 - t1) * 1e3,
                       "attach_ms": (t3 - t2) * 1e3}}))
 """
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600
-    )
+    out = run_python(code, timeout=600)
     result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 

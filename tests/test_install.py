@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.python_child import run_python
 from protocol.version import __version__
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,14 +74,7 @@ def test_the_wheel_alone_runs(wheel: Path, tmp_path: Path) -> None:
         "import weight_cache_cli, engine_client.loader_options as o; "
         "print(weight_cache_cli.__file__); print(o.__file__)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=tmp_path,
-        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
-    )
+    out = run_python(code, cwd=tmp_path, env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
     assert all(line.startswith(str(site)) for line in out.stdout.splitlines()), out.stdout
     version = subprocess.run(
         [sys.executable, "-m", "weight_cache_cli", "--version"],

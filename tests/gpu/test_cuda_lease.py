@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from harness.daemon_process import InProcessDaemon, make_settings
+from harness.python_child import run_python
 from protocol.checksum import storage_checksum
 
 pytestmark = pytest.mark.gpu
@@ -30,19 +31,6 @@ def spawn_engine(url: str, checkpoint: Path) -> subprocess.Popen[str]:
     )
     assert child.stdin is not None and child.stdout is not None
     return child
-
-
-def _child(code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None) -> str:
-    """What Python ``code`` run in a child process with ``args`` prints (a failure raises)."""
-    done = subprocess.run(
-        [sys.executable, "-c", code, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=True,
-        env=env,
-    )
-    return done.stdout
 
 
 @pytest.mark.parametrize("handles", ["fd", "ipc"])
@@ -120,7 +108,7 @@ def test_unloading_frees_the_gpu_memory_engines_let_go(
         loaded = torch.cuda.memory_allocated(0)
         free_loaded = torch.cuda.mem_get_info(0)[0]
         if engine == "refused":
-            out = _child(REFUSED_CHILD, served.url, str(tiny_pc))
+            out = run_python(REFUSED_CHILD, served.url, str(tiny_pc)).stdout
             assert out.strip() == "fingerprint_mismatch"
         else:
             child = spawn_engine(served.url, tiny_fp8)
@@ -249,7 +237,7 @@ def test_tp_ranks_on_their_gpus_found_by_uuid(tmp_path: Path, tiny_fp8: Path) ->
         inventory = served.daemon.inventory()
         assert all(d.free_memory is not None for d in inventory.devices[:2])
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": cuda_uuid(1)}
-        out = _child(TWO_GPU_CHILD, served.url, str(tiny_fp8), timeout=180, env=env)
+        out = run_python(TWO_GPU_CHILD, served.url, str(tiny_fp8), timeout=180, env=env).stdout
         seen = json.loads(out.strip().splitlines()[-1])
         assert seen["visible"] == 1
         assert seen["1"]["zero_copy"] and seen["1"]["tensors"] == len(ranks[1].manifest.tensors)

@@ -10,8 +10,6 @@ import json
 import os
 import shutil
 import stat
-import subprocess
-import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -26,6 +24,7 @@ from harness.checkpoint_tools import hub_snapshot
 from harness.cli import run_cli
 from harness.daemon_process import lease_body, make_settings, start_daemon
 from harness.hostile.users import NOBODY, needs_root
+from harness.python_child import run_python
 from harness.waiting import wait_for
 from modelopt_fp8.checkpoint.locate import local_checkpoint
 from service.api.app import create_app
@@ -56,13 +55,7 @@ def test_another_user_reads_a_demo_checkpoint() -> None:
         f"import os, sys; os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY}); "
         "print(len(open(sys.argv[1], 'rb').read(8)))"
     )
-    read = subprocess.run(
-        [sys.executable, "-c", code, str(out / "model.safetensors")],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    read = run_python(code, str(out / "model.safetensors"), timeout=30, check=False)
     shutil.rmtree(where)
     assert read.stdout.strip() == "8", read.stderr
 

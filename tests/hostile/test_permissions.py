@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from harness.daemon_process import start_daemon
 from harness.hostile.probe import HealthProbe
 from harness.hostile.users import NOBODY, needs_root, run_as
+from harness.python_child import run_python
 from service.memory.shm import FILE_PREFIX, arena_dir_path
 from tests.hostile.conftest import Hostile
 from weight_cache_cli import cli
@@ -116,14 +117,7 @@ def test_another_user_cannot_list_or_read_arenas(
     )
 
     def as_nobody(directory: Path, file: Path) -> list[str]:
-        out = subprocess.run(
-            [sys.executable, "-c", code, str(directory), str(file)],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        )
-        return out.stdout.split()
+        return run_python(code, str(directory), str(file), timeout=30).stdout.split()
 
     assert as_nobody(open_root, arena_copy) == ["allowed", "allowed"]
     daemon = start_daemon(tmp_path, [tiny_fp8], "--model-id", "tiny", shm_dir=open_root)

@@ -9,8 +9,6 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import pytest
 import torch
 from torch.multiprocessing.spawn import start_processes
 
+from harness.python_child import run_python
 from tests.vllm import cpu_capabilities
 from tests.vllm.cpu_capabilities import (
     ABOVE_AVX2,
@@ -89,15 +88,9 @@ def test_the_start_hook_keeps_the_sitecustomize_it_hides(tmp_path: Path) -> None
         "import os, sys; from tests.vllm import cpu_capabilities as c; "
         "print(c._state.installed, os.environ.get('THEIRS_RAN'), os.environ['PYTHONPATH'])"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**os.environ, "PYTHONPATH": f"{STARTUP}{os.pathsep}{tmp_path}"},
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=tmp_path,
+    out = run_python(
+        code, env={**os.environ, "PYTHONPATH": f"{STARTUP}{os.pathsep}{tmp_path}"}, cwd=tmp_path
     )
-    assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "1", f"{STARTUP}{os.pathsep}{tmp_path}"]
 
 

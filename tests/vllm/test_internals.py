@@ -9,8 +9,6 @@ import contextlib
 import gc
 import importlib.util
 import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ import torch
 from torch import nn
 
 from harness.daemon_process import free_port
+from harness.python_child import run_python
 from modelopt_fp8.checkpoint import Checkpoint
 from modelopt_fp8.processing.plan import plan_model
 from protocol.schemas.layout import CarriedKind
@@ -520,16 +519,7 @@ def test_the_loaders_lines_print_through_vllms_logging(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LOGGING")}
     env.update(NO_COLOR="1", VLLM_CONFIGURE_LOGGING="1")
     env.pop("VLLM_PLUGINS", None)  # every general plugin, ours included
-    done = subprocess.run(
-        [sys.executable, "-c", ENGINE_CORE_LOGS],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python(ENGINE_CORE_LOGS, env=env, cwd=tmp_path, timeout=300)
     lines = [line for line in done.stdout.splitlines() if "weight-cache" in line]
     assert len(lines) == 3, done.stdout[-3000:] + done.stderr[-3000:]
     for line in lines:

@@ -15,6 +15,7 @@ import httpx
 
 from harness.cli import CLI, run_cli
 from harness.daemon_process import free_port, start_daemon
+from harness.python_child import run_python
 from harness.waiting import wait_for
 
 
@@ -34,9 +35,7 @@ for args in (["--help"], ["serve", "--help"], ["status", "--help"], ["attach", "
 heavy = sorted(m for m in ("torch", "fastapi", "uvicorn", "starlette") if m in sys.modules)
 print(" ".join(heavy))
 """
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
+    out = run_python(code)
     assert out.stdout.strip() == "", f"imported for --help: {out.stdout}"
 
 
@@ -214,8 +213,5 @@ listener = socket.create_server(("127.0.0.1", 0))
 daemon = _run(settings, listener, [signal.SIGTERM])
 print("returned without serving:", daemon.models.records == {{}})
 """
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert out.returncode == 0, out.stderr
+    out = run_python(code, timeout=60)
     assert "returned without serving: True" in out.stdout

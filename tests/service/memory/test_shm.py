@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from harness.python_child import run_python
 from protocol.errors import InsufficientMemoryError, ShmDirError
 from protocol.shm import map_path
 from service.memory.shm import (
@@ -113,9 +112,7 @@ def test_stale_files_of_dead_daemons_are_removed(tmp_path: Path, arenas: ArenaDi
         "f = ShmFile(ArenaDir.prepare(pathlib.Path(sys.argv[1])), 'dead', 'gone', 4096); "
         "print(f.path)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True
-    )
+    out = run_python(code, str(tmp_path))
     dead = Path(out.stdout.strip())
     assert dead.exists() and dead.name.startswith(FILE_PREFIX)
     half = arenas.path / f".{FILE_PREFIX}dead-half-0000"  # killed between create and rename
