@@ -26,14 +26,9 @@ def run_python(
 ) -> subprocess.CompletedProcess[str]:
     """``python -c CODE ARGS`` with ``env`` as its whole environment (``None``: this process's);
     its output as text. With ``check``, a non-zero exit raises :class:`PythonChildFailed`."""
+    argv = [sys.executable, "-c", code, *args]
     done = subprocess.run(
-        [sys.executable, "-c", code, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        env=env,
-        cwd=cwd,
+        argv, capture_output=True, text=True, timeout=timeout, check=False, env=env, cwd=cwd
     )
     if check and done.returncode != 0:
         raise PythonChildFailed(
