@@ -379,7 +379,7 @@ def each_of(scenarios: dict[str, Any], *kinds: str) -> list[tuple[str, dict[str,
 
 def merge(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One summary from several calls' (later calls' runs and scenarios added; checks taken as
-    each call made them, then judged again on the whole)."""
+    each call made them, a later call's named after it, then judged again on the whole)."""
     merged: dict[str, Any] = {"calls": [], "runs": {}, "scenarios": {}, "checks": []}
     merged["skipped"] = []
     for index, summary in enumerate(summaries, 1):
@@ -391,7 +391,11 @@ def merge(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for key in ("runs", "scenarios"):
             for name, entry in summary.get(key, {}).items():
                 merged[key][merged_name(name, merged[key], index)] = entry
-        merged["checks"] += [c for c in summary.get("checks", []) if not c.get("judged")]
+        merged["checks"] += [
+            dict(c, check=f"call {index}: {c['check']}") if index > 1 else c
+            for c in summary.get("checks", [])
+            if not c.get("judged")
+        ]  # a later call's checks name its runs as that call did (R0, not R0.call2)
     merged["checks"] += [dict(c, judged=True) for c in evaluate(merged)]
     return merged
 

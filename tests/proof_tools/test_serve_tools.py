@@ -573,7 +573,7 @@ def test_every_weight_cache_restart_sizes_its_kv_cache_as_the_default_loader() -
 
 def test_a_merge_keeps_each_calls_crowd_and_judges_both(tmp_path: Path) -> None:
     """Four engines in one call and two in the next: neither crowd replaces the other, both are
-    judged and both have their table."""
+    judged and both have their table; the second call's own checks say which call made them."""
 
     def crowd(engines: int, answered: int, share: float) -> dict[str, Any]:
         run = {"answered": answered, "utilization": 0.3, "kv_and_weights_share": share}
@@ -581,7 +581,10 @@ def test_a_merge_keeps_each_calls_crowd_and_judges_both(tmp_path: Path) -> None:
 
     calls = [
         {"scenarios": {"crowd": crowd(4, 4, 0.92)}},
-        {"scenarios": {"crowd": crowd(2, 1, 0.8)}},
+        {
+            "scenarios": {"crowd": crowd(2, 1, 0.8)},
+            "checks": [{"check": "R0: vllm serve (auto) answered", "ok": True}],
+        },
     ]
     paths = []
     for i, call in enumerate(calls):
@@ -592,6 +595,7 @@ def test_a_merge_keeps_each_calls_crowd_and_judges_both(tmp_path: Path) -> None:
     assert set(merged["scenarios"]) == {"crowd", "crowd.call2"}
     verdicts = {c["check"]: c["ok"] for c in merged["checks"]}
     assert verdicts["crowd run 1: every engine started at once answered (4 of 4)"]
+    assert verdicts["call 2: R0: vllm serve (auto) answered"]  # its own R0, not the first call's
     assert not verdicts["crowd.call2 run 1: every engine started at once answered (1 of 2)"]
     assert not verdicts[
         "crowd.call2 run 1: KV caches and the weights once fill at least 90% of the GPU (80.0%)"
